@@ -1,0 +1,61 @@
+"""The knowledge: every rule, and the targets that select them. No file I/O here."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple, Type
+
+from gpumigrate.codemods.base import Rule
+from gpumigrate.codemods.device import CudaCall, CudaTensorType, HardcodedDevice, LoadMapLocation, LoadWholeModel
+from gpumigrate.codemods.legacy import (
+    AsyncKwarg,
+    DataAccumulatorIndex,
+    DataIndexScalar,
+    DeprecatedOverload,
+    VariableTypeCheck,
+    VariableWrapper,
+    VolatileFlag,
+)
+
+# In application order. GM205 repairs the source before parsing; the guard unwrapping of
+# GM103 needs GM101's rewrites of the guarded `.cuda()` calls.
+ALL_RULES: Tuple[Type[Rule], ...] = (
+    AsyncKwarg,
+    CudaCall,
+    CudaTensorType,
+    HardcodedDevice,
+    LoadMapLocation,
+    LoadWholeModel,
+    DataIndexScalar,
+    VariableWrapper,
+    VolatileFlag,
+    VariableTypeCheck,
+    DataAccumulatorIndex,
+    DeprecatedOverload,
+)
+
+# A target includes the ones it builds on: ddp applies every device fix too.
+TARGET_BASES: Dict[str, Tuple[str, ...]] = {"device": ("device",)}
+TARGETS = tuple(TARGET_BASES)
+
+RULES_BY_CODE: Dict[str, Type[Rule]] = {rule.code: rule for rule in ALL_RULES}
+
+
+def fixed_codes(target: str) -> List[str]:
+    """Codes whose fixes the `target` migration applies."""
+    bases = TARGET_BASES[target]
+    return [rule.code for rule in ALL_RULES if rule.fixed_in & set(bases)]
+
+
+def rules_for(target: str) -> List[Type[Rule]]:
+    """The rules a migration to `target` runs: its fixes, plus lint-only rules it reports."""
+    bases = set(TARGET_BASES[target])
+    return [rule for rule in ALL_RULES if rule.fixed_in & bases or getattr(rule, "reported_in", frozenset()) & bases]
+
+
+def select(codes: List[str], prefixes: List[str], ignore: List[str]) -> List[Type[Rule]]:
+    """Rules whose code starts with one of `prefixes` (all if empty) and none of `ignore`."""
+    return [
+        rule for rule in ALL_RULES
+        if rule.code in codes or (not prefixes or any(rule.code.startswith(p) for p in prefixes))
+        and not any(rule.code.startswith(p) for p in ignore)
+    ]

@@ -1,0 +1,66 @@
+"""The rule base: one class per rule serves lint (findings) and migrate (fixes).
+
+A rule reads like a Fixit rule: a code, a name, a message, a docstring in ruff's four parts
+(What it does / Why is this bad? / Example / Use instead), and its own examples, which one
+parametrized test runs. Its `visit_*`/`leave_*` methods see the file's one tree; `leave_*`
+returns the fixed node, which the engine keeps only when the rule fixes in this run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import ClassVar, FrozenSet, Optional, Tuple, Union
+
+import libcst as cst
+
+from gpumigrate.rewriter.engine import FileContext
+
+
+@dataclass(frozen=True)
+class Flagged:
+    """Code the rule must flag; `fixed` is the whole file after the rule's target migration
+    (None for lint-only rules or instances left for review)."""
+
+    code: str
+    fixed: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Clean:
+    """Code the rule must not flag."""
+
+    code: str
+
+
+Example = Union[Flagged, Clean]
+
+
+class Rule:
+    code: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    message: ClassVar[str] = ""
+    fixed_in: ClassVar[FrozenSet[str]] = frozenset()  # targets whose migration applies the fix
+    examples: ClassVar[Tuple[Example, ...]] = ()
+    # The rule runs only on files containing one of these strings: a cheap pre-filter that
+    # spares most rules on most files.
+    triggers: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, ctx: FileContext) -> None:
+        self.ctx = ctx
+
+    @property
+    def fixing(self) -> bool:
+        return self.code in self.ctx.fixing
+
+    def report(self, node: cst.CSTNode, message: Optional[str] = None, *, review: bool = False) -> None:
+        """Report `node` (of the original tree). `review`: no safe fix here, a human must look."""
+        fixable = bool(self.fixed_in) and not review
+        self.ctx.report(self.code, node, message or self.message, fixed=fixable, review=review)
+
+    def qualify(self, node: cst.BaseExpression) -> Optional[str]:
+        return self.ctx.names.qualify(node)
+
+    @classmethod
+    def docs(cls) -> str:
+        return inspect.cleandoc(cls.__doc__ or "")

@@ -1,0 +1,428 @@
+"""Device-agnostic placement: GM101, GM102, GM103, GM105, GM106."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Set
+
+import libcst as cst
+import libcst.matchers as m
+
+from gpumigrate.codemods.base import Clean, Flagged, Rule
+from gpumigrate.codemods.device_plan import (
+    RUNTIME,
+    cuda_string_index,
+    cuda_type_dtype,
+    device_plan,
+    torch_device_index,
+)
+from gpumigrate.codemods.helpers import (
+    get_arg,
+    is_method_call,
+    keyword_arg,
+    literal_str,
+    with_args,
+)
+
+_CUDA_METHOD = m.Call(func=m.Attribute(attr=m.Name("cuda")))
+
+
+class CudaCall(Rule):
+    """
+    ## What it does
+    Finds `.cuda()`, `.cuda(n)`, `.cuda(non_blocking=True)` and `.cuda(device=n)` calls on
+    modules and tensors.
+
+    ## Why is this bad?
+    `.cuda()` hard-codes NVIDIA GPUs: the script fails on a CPU-only machine or a Mac (MPS).
+
+    ## Example
+    ```python
+    model = Net().cuda()
+    data = data.cuda(non_blocking=True)
+    ```
+
+    ## Use instead
+    ```python
+    device = get_device()  # from gpumigrate.runtime: CUDA, then MPS, then CPU
+    model = Net().to(device)
+    data = data.to(device, non_blocking=True)
+    ```
+    A script that places modules on several GPUs (`encoder.cuda(0)`, `decoder.cuda(1)`)
+    keeps its placement: `.to(get_device(1))` is the second accelerator, or the CPU.
+    """
+
+    code = "GM101"
+    name = "cuda-call"
+    message = "`.cuda()` hard-codes the device; use `.to(device)`"
+    fixed_in = frozenset({"device"})
+    triggers = ("cuda",)
+    examples = (
+        Flagged(
+            "import torch\nx = torch.ones(2).cuda()\n",
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n"
+            "x = torch.ones(2).to(device)\n",
+        ),
+        Flagged(
+            "import torch\n\nx = torch.ones(2).cuda(non_blocking=True)\n",
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n\n"
+            "x = torch.ones(2).to(device, non_blocking=True)\n",
+        ),
+        Flagged(
+            "import torch.nn as nn\nenc = nn.Linear(2, 2).cuda(0)\ndec = nn.Linear(2, 2).cuda(device=1)\n",
+            fixed="import torch.nn as nn\nfrom gpumigrate.runtime import get_device\n\n"
+            "enc = nn.Linear(2, 2).to(get_device(0))\ndec = nn.Linear(2, 2).to(get_device(1))\n",
+        ),
+        Clean("import torch\nx = torch.ones(2).to(device)\n"),
+        Clean("import torch\nif torch.cuda.is_available():\n    pass\n"),
+        Clean("use_cuda = args.cuda  # an attribute named cuda, not a call\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+        if not is_method_call(original, "cuda"):
+            return None
+        self.report(original)
+        index = get_arg(updated, "device", 0)
+        rest = [a for a in updated.args if a is not index]
+        device = device_plan(self.ctx).device_expr(index.value if index else None, self.fixing)
+        func = updated.func.with_changes(attr=cst.Name("to"))
+        return with_args(updated.with_changes(func=func), [cst.Arg(device)] + rest)
+
+
+class CudaTensorType(Rule):
+    """
+    ## What it does
+    Finds the CUDA tensor types: `torch.cuda.FloatTensor(...)`, `x.type(torch.cuda.LongTensor)`
+    and the `Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor` idiom.
+
+    ## Why is this bad?
+    These types exist only on CUDA builds; elsewhere they raise "type torch.cuda.FloatTensor
+    not available". The legacy constructors are also ambiguous (sizes or data).
+
+    ## Example
+    ```python
+    Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor
+    valid = Tensor(imgs.size(0), 1).fill_(1.0)
+    real = imgs.type(Tensor)
+    ```
+
+    ## Use instead
+    ```python
+    Tensor = tensor_type(torch.float32, device)  # from gpumigrate.runtime
+    valid = Tensor(imgs.size(0), 1).fill_(1.0)
+    real = imgs.to(device, torch.float32)
+    ```
+    """
+
+    code = "GM102"
+    name = "cuda-tensor-type"
+    message = "CUDA tensor types exist only on CUDA builds; build tensors with a dtype and a device"
+    fixed_in = frozenset({"device"})
+    triggers = ("Tensor",)
+    examples = (
+        Flagged(
+            "import torch\nTensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor\n"
+            "x = torch.ones(2).type(Tensor)\n",
+            fixed="import torch\nfrom gpumigrate.runtime import get_device, tensor_type\n\n"
+            "device = get_device()\nTensor = tensor_type(torch.float32, device)\n"
+            "x = torch.ones(2).to(device, torch.float32)\n",
+        ),
+        Flagged(
+            "import torch\n\nidx = torch.cuda.LongTensor([1, 2])\n",
+            fixed="import torch\nfrom gpumigrate.runtime import get_device, tensor_type\n\n"
+            "device = get_device()\n\nidx = tensor_type(torch.int64, device)([1, 2])\n",
+        ),
+        Clean("import torch\nx = torch.FloatTensor(2, 3)\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.aliases: Dict[str, str] = {}
+        for assign in m.findall(node, m.Assign(targets=[m.AssignTarget(m.Name())])):
+            value = assign.value
+            branches = [value.body, value.orelse] if isinstance(value, cst.IfExp) else [value]
+            for branch in branches:
+                dtype = cuda_type_dtype(self.qualify(branch))
+                if dtype:
+                    self.aliases[assign.targets[0].target.value] = dtype
+
+    def _factory(self, dtype: str) -> cst.Call:
+        plan = device_plan(self.ctx)
+        if self.fixing:
+            self.ctx.add_import(RUNTIME, "tensor_type")
+        return cst.Call(
+            func=cst.Name("tensor_type"),
+            args=[cst.Arg(plan.torch_name(dtype)), cst.Arg(plan.device_expr(None, self.fixing))],
+        )
+
+    def leave_IfExp(self, original: cst.IfExp, updated: cst.IfExp) -> Optional[cst.BaseExpression]:
+        for branch in (original.body, original.orelse):
+            dtype = cuda_type_dtype(self.qualify(branch))
+            if dtype:
+                self.report(original)
+                return self._factory(dtype)
+        return None
+
+    def _type_target(self, node: cst.BaseExpression) -> Optional[str]:
+        if isinstance(node, cst.Name) and node.value in self.aliases:
+            return self.aliases[node.value]
+        text = literal_str(node)
+        return cuda_type_dtype(text if text is not None else self.qualify(node))
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+        if is_method_call(original, "type") and len(original.args) == 1 and original.args[0].keyword is None:
+            dtype = self._type_target(original.args[0].value)
+            if dtype:
+                self.report(original)
+                plan = device_plan(self.ctx)
+                args = [cst.Arg(plan.device_expr(None, self.fixing)), cst.Arg(plan.torch_name(dtype))]
+                return with_args(updated.with_changes(func=updated.func.with_changes(attr=cst.Name("to"))), args)
+        return None
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> Optional[cst.BaseExpression]:
+        dtype = cuda_type_dtype(self.qualify(original))
+        if not dtype:
+            return None
+        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+        grand = self.ctx.ancestors[-2] if len(self.ctx.ancestors) > 1 else None
+        if isinstance(parent, cst.IfExp) or (isinstance(parent, cst.Arg) and is_method_call(grand, "type")):
+            return None  # the enclosing expression's fix covers it
+        if isinstance(parent, cst.Arg) and isinstance(grand, cst.Call) and m.matches(grand.func, m.Name("isinstance")):
+            self.report(original, "isinstance against a CUDA tensor type; check `x.is_cuda` or `x.dtype`", review=True)
+            return None
+        self.report(original)
+        return self._factory(dtype)
+
+
+class HardcodedDevice(Rule):
+    """
+    ## What it does
+    Finds hard-coded CUDA devices: `torch.device("cuda:0")`, `"cuda"` strings passed as
+    devices, `torch.cuda.set_device(n)`, and `if args.cuda:` / `if use_cuda:` guards around
+    `.cuda()` calls.
+
+    ## Why is this bad?
+    The script fails wherever there is no CUDA GPU, and `set_device` fights torchrun's
+    `LOCAL_RANK` placement.
+
+    ## Example
+    ```python
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(0)
+    if args.cuda:
+        model.cuda()
+    ```
+
+    ## Use instead
+    ```python
+    device = get_device()  # CUDA (LOCAL_RANK's GPU under torchrun), then MPS, then CPU
+    model.to(device)
+    ```
+    A `--no-cuda` flag keeps its meaning: the device becomes
+    `get_device() if args.cuda else torch.device("cpu")`.
+    """
+
+    code = "GM103"
+    name = "hardcoded-device"
+    message = "hard-coded CUDA device; use the device from `get_device()`"
+    fixed_in = frozenset({"device"})
+    triggers = ("cuda",)
+    examples = (
+        Flagged(
+            'import torch\ndev = torch.device("cuda:0")\nx = torch.zeros(2, device="cuda")\n',
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\n"
+            "dev = get_device()\nx = torch.zeros(2, device=dev)\n",
+        ),
+        Flagged(
+            "import torch\ntorch.cuda.set_device(0)\nx = torch.ones(1)\n",
+            fixed="import torch\nx = torch.ones(1)\n",
+        ),
+        Flagged(
+            "import torch\nargs.cuda = not args.no_cuda and torch.cuda.is_available()\n"
+            'if args.cuda:\n    model.cuda()\nx = torch.zeros(1, device="cuda")\n',
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\n"
+            "args.cuda = not args.no_cuda and torch.cuda.is_available()\n"
+            'device = get_device() if args.cuda else torch.device("cpu")\nmodel.to(device)\n'
+            "x = torch.zeros(1, device=device)\n",
+        ),
+        Clean('import torch\ndevice = torch.device("cuda" if torch.cuda.is_available() else "cpu")\n'),
+        Clean('import torch\nx = torch.zeros(2, device="cpu")\nname = "cuda"\n'),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+        plan = device_plan(self.ctx)
+        if self.qualify(original.func) == "torch.device":
+            is_cuda, index = torch_device_index(original)
+            if not is_cuda:
+                return None
+            self.report(original)
+            if any(d.call is original for d in plan.hardcoded_defs):
+                if self.fixing:
+                    self.ctx.add_import(RUNTIME, "get_device")
+                args = [cst.Arg(cst.Integer(str(index)))] if plan.multi_index and index is not None else []
+                return cst.Call(func=cst.Name("get_device"), args=args)
+            index_node = cst.Integer(str(index)) if index is not None else None
+            return plan.device_expr(index_node, self.fixing)
+        args, changed = list(updated.args), False
+        for i, arg in enumerate(original.args):
+            if arg.keyword is None and not is_method_call(original, "to"):
+                continue
+            if arg.keyword is not None and arg.keyword.value != "device":
+                continue
+            is_cuda, index = cuda_string_index(literal_str(arg.value))
+            if is_cuda:
+                self.report(arg.value)
+                index_node = cst.Integer(str(index)) if index is not None else None
+                args[i] = args[i].with_changes(value=plan.device_expr(index_node, self.fixing))
+                changed = True
+        return updated.with_changes(args=args) if changed else None
+
+    def leave_SimpleStatementLine(self, original, updated):
+        if not m.matches(original, m.SimpleStatementLine(body=[m.Expr(m.Call())])):
+            return None
+        call = original.body[0].value
+        if self.qualify(call.func) != "torch.cuda.set_device":
+            return None
+        self.report(call, "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it (LOCAL_RANK under torchrun)")
+        block = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+        if isinstance(block, cst.IndentedBlock) and len(block.body) == 1:
+            return updated.with_changes(body=[cst.Pass()])
+        return cst.RemoveFromParent()
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        plan = device_plan(self.ctx)
+        test = self.ctx.module.code_for_node(original.test).strip()
+        if test not in plan.guard_flags or original.orelse is not None or "GM101" not in self.ctx.fixing:
+            return None
+        body = original.body
+        if isinstance(body, cst.IndentedBlock):
+            if body.header.comment is not None or body.footer:
+                return None
+            stmts = list(updated.body.body)
+            originals = list(body.body)
+        else:
+            stmts = [cst.SimpleStatementLine(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)])
+                     for s in updated.body.body]
+            originals = list(body.body)
+        if not all(m.findall(s, _CUDA_METHOD) for s in originals) or any(m.findall(s, _CUDA_METHOD) for s in stmts):
+            return None
+        self.report(original.test, f"`if {test}:` guard around `.cuda()`: the device already says where to run")
+        stmts[0] = stmts[0].with_changes(leading_lines=[*original.leading_lines, *stmts[0].leading_lines])
+        return cst.FlattenSentinel(stmts)
+
+
+def _whole_model_names(module: cst.Module, qualify) -> Set[str]:
+    """Names the script loads a whole pickled module into (`model = torch.load(f)`, then
+    `model.eval()`), and whether it saves whole modules at all."""
+    loaded: Set[str] = set()
+    for assign in m.findall(module, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call())):
+        if qualify(assign.value.func) == "torch.load":
+            loaded.add(assign.targets[0].target.value)
+    used = set()
+    for call in m.findall(module, m.Call()):
+        func = call.func
+        if isinstance(func, cst.Name) and func.value in loaded:
+            used.add(func.value)
+        elif (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in loaded
+              and func.attr.value in ("eval", "train", "parameters", "modules", "to", "cuda", "half", "forward")):
+            used.add(func.value.value)
+    return used
+
+
+def _saves_whole_module(module: cst.Module, qualify) -> bool:
+    for call in m.findall(module, m.Call()):
+        if qualify(call.func) == "torch.save" and call.args:
+            obj = call.args[0].value
+            if isinstance(obj, cst.Name) and not m.findall(module, m.Assign(targets=[m.AssignTarget(m.Name(obj.value))], value=m.Dict())):
+                return True
+    return False
+
+
+class LoadMapLocation(Rule):
+    """
+    ## What it does
+    Finds `torch.load(f)` without `map_location`.
+
+    ## Why is this bad?
+    `torch.load` restores each tensor onto the device it was saved from: a checkpoint written
+    on `cuda:0` fails to load on a CPU-only machine, and under DDP every rank loads onto GPU 0.
+
+    ## Example
+    ```python
+    state = torch.load("ckpt.pt")
+    ```
+
+    ## Use instead
+    ```python
+    state = torch.load("ckpt.pt", map_location=device)
+    ```
+    """
+
+    code = "GM105"
+    name = "load-without-map-location"
+    message = "`torch.load` without `map_location` restores tensors onto the device they were saved from"
+    fixed_in = frozenset({"device"})
+    triggers = ("load",)
+    examples = (
+        Flagged(
+            "import torch\nstate = torch.load('ckpt.pt')\n",
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n"
+            "state = torch.load('ckpt.pt', map_location=device)\n",
+        ),
+        Clean("import torch\nstate = torch.load('ckpt.pt', map_location='cpu')\n"),
+        Clean("import pickle\nstate = pickle.load(f)\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+        if self.qualify(original.func) != "torch.load" or get_arg(original, "map_location", 1) is not None:
+            return None
+        if any(a.star for a in original.args):
+            return None
+        self.report(original)
+        device = device_plan(self.ctx).device_expr(None, self.fixing)
+        return with_args(updated, [*updated.args, keyword_arg("map_location", device)])
+
+
+class LoadWholeModel(Rule):
+    """
+    ## What it does
+    Finds `torch.load` of a whole pickled module (`torch.save(model, f)` ... `model = torch.load(f)`).
+
+    ## Why is this bad?
+    Since torch 2.6 `torch.load` defaults to `weights_only=True`, which refuses pickled modules:
+    the old script fails with an `UnpicklingError`.
+
+    ## Example
+    ```python
+    torch.save(model, f)
+    model = torch.load(f)
+    ```
+
+    ## Use instead
+    ```python
+    model = torch.load(f, weights_only=False)  # only for files you trust: it runs pickled code
+    ```
+    Better still: save and load `model.state_dict()`.
+    """
+
+    code = "GM106"
+    name = "load-whole-model"
+    message = ("`torch.load` of a whole pickled model fails since torch 2.6 (weights_only=True): "
+               "passing weights_only=False, which runs pickled code; load only files you trust")
+    fixed_in = frozenset({"device"})
+    triggers = ("load",)
+    examples = (
+        Flagged(
+            "import torch\ntorch.save(model, 'm.pt')\nmodel = torch.load('m.pt', map_location='cpu')\nmodel.eval()\n",
+            fixed="import torch\ntorch.save(model, 'm.pt')\n"
+            "model = torch.load('m.pt', map_location='cpu', weights_only=False)\nmodel.eval()\n",
+        ),
+        Clean("import torch\ntorch.save(model.state_dict(), 'm.pt')\nstate = torch.load('m.pt', map_location='cpu')\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.whole = _saves_whole_module(node, self.qualify) or bool(_whole_model_names(node, self.qualify))
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+        if not self.whole or self.qualify(original.func) != "torch.load" or get_arg(original, "weights_only") is not None:
+            return None
+        self.report(original)
+        return with_args(updated, [*updated.args, keyword_arg("weights_only", cst.Name("False"))])

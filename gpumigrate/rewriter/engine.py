@@ -1,0 +1,331 @@
+"""Parse once, run the chosen rules on the one tree, verify, and hand back the result.
+
+The engine is generic: a rule is any class with a `code`, a constructor taking the
+`FileContext`, and LibCST-style `visit_<Node>` / `leave_<Node>` methods. All rules share a
+single traversal (one visit per node, however many rules run), so the cost of a run grows
+with the file, not with the number of rules.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tokenize
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a rule saw. `fixed`: the fix was applied (or would be, with --diff/--check).
+    `review`: no safe fix exists here; a human must look."""
+
+    code: str
+    line: int
+    col: int
+    message: str
+    fixed: bool = False
+    review: bool = False
+
+
+@dataclass
+class FileResult:
+    path: str
+    source: bytes
+    new_source: Optional[bytes] = None  # None: nothing changed (or an error)
+    findings: List[Finding] = field(default_factory=list)
+    error: Optional[str] = None  # one user-facing line
+
+    @property
+    def changed(self) -> bool:
+        return self.new_source is not None and self.new_source != self.source
+
+
+class UserError(Exception):
+    """A problem with the input, reported as one line and never as a traceback."""
+
+
+@dataclass
+class _Report:
+    code: str
+    node: Optional[cst.CSTNode]
+    message: str
+    fixed: bool
+    review: bool
+    line: int = 0
+    col: int = 0
+
+
+_NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.I)
+
+
+class FileContext:
+    """What rules share about one file: the tree, its imports, and the edits they ask for."""
+
+    def __init__(self, module: cst.Module, path: str, text: str, names: Any) -> None:
+        self.module = module
+        self.path = path
+        self.text = text
+        self.names = names
+        self.reports: List[_Report] = []
+        self.imports_to_add: List[Tuple[str, Optional[str]]] = []
+        self.imports_to_remove: List[Tuple[str, Optional[str]]] = []
+        self.finishers: List[Callable[[cst.Module], cst.Module]] = []
+        self.fixing: Set[str] = set()
+        self._cache: Dict[Any, Any] = {}
+        self._positions = None
+        self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
+
+    def shared(self, key: Any, build: Callable[["FileContext"], Any]) -> Any:
+        """A per-file analysis, built once however many rules ask for it."""
+        if key not in self._cache:
+            self._cache[key] = build(self)
+        return self._cache[key]
+
+    def position(self, node: cst.CSTNode) -> Tuple[int, int]:
+        """1-based line, 0-based column of a node of the original tree.
+
+        Position metadata costs a full extra pass, so it is computed only for files that
+        have something to report."""
+        if self._positions is None:
+            wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
+            self._positions = wrapper.resolve(PositionProvider)
+        pos = self._positions.get(node)
+        if pos is None:
+            return (0, 0)
+        return (pos.start.line, pos.start.column)
+
+    def suppressed(self, code: str, line: int) -> bool:
+        """`# noqa` or `# noqa: GM301,GM302` on the line."""
+        lines = self._lines()
+        if not 0 < line <= len(lines) or "noqa" not in lines[line - 1].lower():
+            return False
+        match = _NOQA.search(lines[line - 1])
+        if match is None:
+            return False
+        codes = match.group("codes")
+        return codes is None or code in re.split(r"[\s,]+", codes.upper())
+
+    def _lines(self) -> List[str]:
+        if "lines" not in self._cache:
+            self._cache["lines"] = self.text.splitlines()
+        return self._cache["lines"]
+
+    def has_noqa(self) -> bool:
+        return "noqa" in self.text.lower()
+
+    def report(self, code: str, node: cst.CSTNode, message: str, *, fixed: bool, review: bool) -> None:
+        """Record a finding at `node` (a node of the original tree)."""
+        self.reports.append(_Report(code, node, message, fixed, review))
+
+    def add_import(self, module: str, name: Optional[str] = None) -> None:
+        if (module, name) not in self.imports_to_add:
+            self.imports_to_add.append((module, name))
+
+    def remove_import(self, module: str, name: Optional[str] = None) -> None:
+        if (module, name) not in self.imports_to_remove:
+            self.imports_to_remove.append((module, name))
+
+    def add_finisher(self, key: Any, finisher: Callable[[cst.Module], cst.Module]) -> None:
+        """A module-level edit run once after the traversal (e.g. inserting a definition)."""
+        if ("finisher", key) not in self._cache:
+            self._cache[("finisher", key)] = True
+            self.finishers.append(finisher)
+
+
+class _Dispatch(cst.CSTTransformer):
+    """One traversal that calls every rule's visit_/leave_ methods for each node."""
+
+    def __init__(self, ctx: FileContext, rules: Sequence[Any]) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.visits: Dict[str, List[Callable]] = defaultdict(list)
+        self.leaves: Dict[str, List[Tuple[Any, Callable]]] = defaultdict(list)
+        for rule in rules:
+            for attr in dir(type(rule)):
+                if attr.startswith("visit_") and attr.count("_") == 1:
+                    self.visits[attr[6:]].append(getattr(rule, attr))
+                elif attr.startswith("leave_") and attr.count("_") == 1:
+                    self.leaves[attr[6:]].append((rule, getattr(rule, attr)))
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.ctx.ancestors.append(node)
+        for visit in self.visits.get(type(node).__name__, ()):
+            visit(node)
+        return True
+
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode):
+        self.ctx.ancestors.pop()
+        result = updated
+        for rule, leave in self.leaves.get(type(original).__name__, ()):
+            out = leave(original, result)
+            if out is None or rule.code not in self.ctx.fixing:
+                continue
+            if self.ctx.has_noqa() and self.ctx.suppressed(rule.code, self.ctx.position(original)[0]):
+                continue
+            result = out
+            if not isinstance(result, type(original)):
+                break  # replaced by another kind of node, removed or flattened
+        return result
+
+
+def _decode(source: bytes, path: str) -> str:
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+    except SyntaxError as exc:
+        raise UserError(f"{path}:1: cannot read: {exc.msg}") from None
+    try:
+        return source.decode(encoding)
+    except UnicodeDecodeError as exc:
+        line = source[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}:{line}: cannot decode as {encoding} (byte 0x{source[exc.start]:02x});"
+            " add a PEP 263 coding cookie naming the file's encoding"
+        ) from None
+
+
+_PY2_HINTS = (
+    "Missing parentheses in call to",
+    "multiple exception types must be parenthesized",
+    "leading zeros in decimal integer literals",
+)
+_PY2_LINE = re.compile(r"^\s*(print\s+[^\s(=]|exec\s+[\"']|raise\s+\w+\s*,|except\s+[\w.]+\s*,\s*\w+\s*:)|`|<>")
+
+
+def _compile_error(source: bytes, path: str) -> Optional[SyntaxError]:
+    try:
+        compile(source, path, "exec", dont_inherit=True, flags=0x400)  # PyCF_ONLY_AST
+    except SyntaxError as exc:
+        return exc
+    except ValueError as exc:  # null bytes
+        return SyntaxError(str(exc))
+    return None
+
+
+def _parse_error(source: bytes, text: str, path: str, exc: cst.ParserSyntaxError) -> UserError:
+    err = _compile_error(source, path)
+    line = (err.lineno if err and err.lineno else exc.raw_line) or 1
+    message = err.msg if err else exc.message
+    lines = text.splitlines()
+    bad_line = lines[line - 1] if 0 < line <= len(lines) else ""
+    if any(hint in message for hint in _PY2_HINTS) or _PY2_LINE.search(bad_line):
+        return UserError(f"{path}:{line}: cannot parse: Python 2 syntax ({message}); run 2to3 on it first")
+    return UserError(f"{path}:{line}: cannot parse: {message}")
+
+
+def _parse(source: bytes, path: str, rules: Sequence[type]) -> Tuple[cst.Module, bytes, List[_Report]]:
+    text = _decode(source, path)
+    try:
+        return cst.parse_module(source), source, []
+    except cst.ParserSyntaxError as exc:
+        first_error = exc
+    # Some old scripts only parse under an older grammar; rules may know a lexical repair.
+    for rule in rules:
+        repair = getattr(rule, "repair", None)
+        fixed = repair(text) if repair else None
+        if fixed is None:
+            continue
+        new_text, spots = fixed
+        encoding = tokenize.detect_encoding(io.BytesIO(source).readline)[0]
+        repaired = new_text.encode(encoding)
+        try:
+            module = cst.parse_module(repaired)
+        except cst.ParserSyntaxError:
+            continue
+        reports = [_Report(rule.code, None, msg, True, False, line, col) for line, col, msg in spots]
+        return module, repaired, reports
+    raise _parse_error(source, text, path, first_error)
+
+
+def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
+    # These visitors are costly (RemoveImportsVisitor needs scope analysis): only on files
+    # whose fixes asked for an import edit.
+    if ctx.imports_to_remove:
+        codemod_ctx = CodemodContext()
+        for mod, name in ctx.imports_to_remove:
+            RemoveImportsVisitor.remove_unused_import(codemod_ctx, mod, name)
+        module = RemoveImportsVisitor(codemod_ctx).transform_module(module)
+    if ctx.imports_to_add:
+        codemod_ctx = CodemodContext()
+        for mod, name in ctx.imports_to_add:
+            AddImportsVisitor.add_needed_import(codemod_ctx, mod, name)
+        module = AddImportsVisitor(codemod_ctx).transform_module(module)
+    return module
+
+
+def _applies(rule: type, text: str) -> bool:
+    triggers = getattr(rule, "triggers", None)
+    return not triggers or any(t in text for t in triggers)
+
+
+def process(
+    source: bytes,
+    path: str,
+    rules: Sequence[type],
+    *,
+    fix: Iterable[str] = (),
+    names_factory: Callable[[cst.Module], Any],
+) -> FileResult:
+    """Run `rules` over one source unit. `fix`: codes whose fixes are applied.
+
+    Never raises for bad input: the problem comes back as `FileResult.error`."""
+    result = FileResult(path=path, source=source)
+    try:
+        module, parsed_source, early = _parse(source, path, rules)
+        text = _decode(parsed_source, path)
+        ctx = FileContext(module, path, text, names_factory(module))
+        ctx.fixing = set(fix)
+        ctx.reports.extend(early)
+        active = [rule(ctx) for rule in rules if _applies(rule, text)]
+        new_module = module.visit(_Dispatch(ctx, active)) if active else module
+        if ctx.fixing:
+            for finish in ctx.finishers:
+                new_module = finish(new_module)
+            new_module = _edit_imports(ctx, new_module)
+        result.findings = _findings(ctx)
+        new_source = new_module.bytes if ctx.fixing else parsed_source
+        if new_source != source and ctx.fixing:
+            _verify(new_source, parsed_source, path)
+            result.new_source = new_source
+    except UserError as exc:
+        result.error = str(exc)
+        result.findings = []
+    except RecursionError:
+        result.error = f"{path}:1: cannot process: nesting too deep"
+    except Exception as exc:  # a bug of ours must not cost the user a file or a traceback
+        result.error = f"{path}: internal error, file left unchanged ({type(exc).__name__}: {exc})"
+        result.findings = []
+    return result
+
+
+def _findings(ctx: FileContext) -> List[Finding]:
+    out = []
+    for rep in ctx.reports:
+        line, col = (rep.line, rep.col) if rep.node is None else ctx.position(rep.node)
+        if ctx.has_noqa() and ctx.suppressed(rep.code, line):
+            continue
+        fixed = rep.fixed and rep.code in ctx.fixing
+        out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review))
+    out.sort(key=lambda f: (f.line, f.col, f.code))
+    return out
+
+
+def _verify(new_source: bytes, old_source: bytes, path: str) -> None:
+    """The promise: output always parses and compiles."""
+    err = _compile_error(new_source, path)
+    if err is None:
+        return
+    if _compile_error(old_source, path) is not None:
+        # Input this Python cannot compile (newer grammar): LibCST re-parse is the check.
+        try:
+            cst.parse_module(new_source)
+            return
+        except cst.ParserSyntaxError:
+            pass
+    raise UserError(f"{path}:{err.lineno or 1}: fixes dropped: the rewritten file would not compile ({err.msg})")

@@ -1,0 +1,38 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Sequence
+
+import pytest
+
+from gpumigrate.codemods import fixed_codes, rules_for
+from gpumigrate.rewriter.engine import FileResult, process
+from gpumigrate.rewriter.names import ImportTable
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+
+
+def migrate(source: bytes, target: str = "device", path: str = "script.py") -> FileResult:
+    return process(source, path, rules_for(target), fix=fixed_codes(target), names_factory=ImportTable)
+
+
+def lint(source: bytes, rules: Sequence[type], path: str = "script.py") -> FileResult:
+    return process(source, path, rules, fix=(), names_factory=ImportTable)
+
+
+def run_script(path: Path, args: List[str] = (), cwd: Path = None, timeout: int = 60) -> subprocess.CompletedProcess:
+    """Run a script in a fresh interpreter the way a user would."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
+                          cwd=str(cwd or path.parent), env=env, timeout=timeout)
+
+
+@pytest.fixture
+def tmp_script(tmp_path):
+    def make(source, name="train.py"):
+        path = tmp_path / name
+        path.write_bytes(source if isinstance(source, bytes) else source.encode())
+        return path
+    return make

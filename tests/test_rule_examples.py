@@ -1,0 +1,40 @@
+"""Every rule's own examples are its specification: flagged, not flagged, and fixed."""
+
+import pytest
+
+from gpumigrate.codemods import ALL_RULES
+from gpumigrate.codemods.base import Clean, Flagged
+from tests.conftest import lint, migrate
+
+CASES = [
+    pytest.param(rule, example, id=f"{rule.code}-{type(example).__name__.lower()}-{i}")
+    for rule in ALL_RULES
+    for i, example in enumerate(rule.examples)
+]
+
+
+@pytest.mark.parametrize("rule, example", CASES)
+def test_rule_example(rule, example):
+    codes = [f.code for f in lint(example.code.encode(), [rule]).findings]
+    if isinstance(example, Clean):
+        assert rule.code not in codes
+        return
+    assert rule.code in codes
+    if example.fixed is not None:
+        target = sorted(rule.fixed_in)[0]
+        result = migrate(example.code.encode(), target)
+        assert result.error is None
+        assert (result.new_source or result.source).decode() == example.fixed
+        # the fixed form is stable and clean
+        again = migrate(example.fixed.encode(), target)
+        assert again.new_source is None or again.new_source == example.fixed.encode()
+        assert rule.code not in [f.code for f in again.findings if f.fixed]
+
+
+@pytest.mark.parametrize("rule", ALL_RULES, ids=lambda r: r.code)
+def test_rule_is_documented(rule):
+    docs = rule.docs()
+    for section in ("## What it does", "## Why is this bad?", "## Example", "## Use instead"):
+        assert section in docs
+    assert any(isinstance(e, Flagged) for e in rule.examples)
+    assert any(isinstance(e, Clean) for e in rule.examples)
