@@ -20,6 +20,7 @@ from gpumigrate.codemods.helpers import (
     is_method_call,
     keyword_arg,
     literal_str,
+    remove_statement,
     with_args,
 )
 
@@ -276,16 +277,19 @@ class HardcodedDevice(Rule):
         return updated.with_changes(args=args) if changed else None
 
     def leave_SimpleStatementLine(self, original, updated):
-        if not m.matches(original, m.SimpleStatementLine(body=[m.Expr(m.Call())])):
+        keep = []
+        for small, new in zip(original.body, updated.body):
+            if m.matches(small, m.Expr(m.Call())) and self.qualify(small.value.func) == "torch.cuda.set_device":
+                self.report(small.value, "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it "
+                                         "(LOCAL_RANK's GPU under torchrun)")
+            else:
+                keep.append(new)
+        if len(keep) == len(updated.body):
             return None
-        call = original.body[0].value
-        if self.qualify(call.func) != "torch.cuda.set_device":
-            return None
-        self.report(call, "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it (LOCAL_RANK under torchrun)")
-        block = self.ctx.ancestors[-1] if self.ctx.ancestors else None
-        if isinstance(block, cst.IndentedBlock) and len(block.body) == 1:
-            return updated.with_changes(body=[cst.Pass()])
-        return cst.RemoveFromParent()
+        if not keep:
+            return remove_statement(self.ctx.ancestors, updated)
+        keep[-1] = keep[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
+        return updated.with_changes(body=keep)
 
     def leave_If(self, original: cst.If, updated: cst.If):
         plan = device_plan(self.ctx)
@@ -304,7 +308,7 @@ class HardcodedDevice(Rule):
             originals = list(body.body)
         if not all(m.findall(s, _CUDA_METHOD) for s in originals) or any(m.findall(s, _CUDA_METHOD) for s in stmts):
             return None
-        self.report(original.test, f"`if {test}:` guard around `.cuda()`: the device already says where to run")
+        self.report(original, f"`if {test}:` guard around `.cuda()`: the device already says where to run")
         stmts[0] = stmts[0].with_changes(leading_lines=[*original.leading_lines, *stmts[0].leading_lines])
         return cst.FlattenSentinel(stmts)
 

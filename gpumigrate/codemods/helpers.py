@@ -115,3 +115,19 @@ def strip_parens(node: cst.BaseExpression) -> cst.BaseExpression:
 
 
 CALL_WITH_ATTR = m.Call(func=m.Attribute())
+
+
+def remove_statement(ancestors: Sequence[cst.CSTNode], line: cst.SimpleStatementLine):
+    """Drop a statement line; `pass` stands in where the block would be left empty, and a
+    line that carries comments keeps them on a `pass`."""
+    block = ancestors[-1] if ancestors else None
+    commented = line.trailing_whitespace.comment is not None or any(l.comment for l in line.leading_lines)
+    if commented or (isinstance(block, cst.IndentedBlock) and len(block.body) == 1):
+        return line.with_changes(body=[cst.Pass()])
+    return cst.RemoveFromParent()
+
+
+def same_code(a: cst.CSTNode, b: cst.CSTNode) -> bool:
+    """Equal up to whitespace and parentheses."""
+    render = cst.Module(body=[]).code_for_node
+    return "".join(render(a).split()).strip("()") == "".join(render(b).split()).strip("()")

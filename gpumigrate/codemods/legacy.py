@@ -23,6 +23,8 @@ from gpumigrate.codemods.helpers import (
     keyword_arg,
     literal_bool,
     positional_args,
+    remove_statement,
+    same_code,
     with_args,
 )
 
@@ -155,10 +157,23 @@ class VariableWrapper(Rule):
             if literal_bool(grad.value) is True:
                 return call_method(value, "requires_grad_")
             return call_method(value, "requires_grad_", [cst.Arg(grad.value)])
+        self.unwrapped = True
         parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
         if not isinstance(parent, (cst.Arg, cst.Assign, cst.Element, cst.Return, cst.Expr)) and not _atomic(value):
             value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
         return value
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        self.unwrapped = False
+
+    def leave_SimpleStatementLine(self, original, updated):
+        """`data, target = Variable(data), Variable(target)` leaves `data, target = data, target`."""
+        if not self.unwrapped or len(updated.body) != 1:
+            return None
+        assign = updated.body[0]
+        if isinstance(assign, cst.Assign) and len(assign.targets) == 1 and same_code(assign.targets[0].target, assign.value):
+            return remove_statement(self.ctx.ancestors, updated)
+        return None
 
 
 def _atomic(node: cst.BaseExpression) -> bool:
@@ -259,6 +274,10 @@ class VolatileFlag(Rule):
             return
         volatile = get_arg(node, "volatile")
         if volatile is None or literal_bool(volatile.value) is False:
+            return
+        if literal_bool(volatile.value) is None:
+            self.report(node, "`volatile=<flag>` has no effect since torch 0.4; run the code path where it "
+                              "is true under `torch.no_grad()`", review=True)
             return
         if under_no_grad(self.ctx, self.ctx.ancestors):
             self.report(node, "`volatile=True` has no effect since torch 0.4 (already under no_grad here)")

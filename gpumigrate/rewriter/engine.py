@@ -32,6 +32,7 @@ class Finding:
     message: str
     fixed: bool = False
     review: bool = False
+    end_line: int = 0  # last line of the flagged code
 
 
 @dataclass
@@ -60,6 +61,7 @@ class _Report:
     review: bool
     line: int = 0
     col: int = 0
+    end_line: int = 0
 
 
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.I)
@@ -89,7 +91,11 @@ class FileContext:
         return self._cache[key]
 
     def position(self, node: cst.CSTNode) -> Tuple[int, int]:
-        """1-based line, 0-based column of a node of the original tree.
+        """1-based line, 0-based column of a node of the original tree."""
+        return self.span(node)[:2]
+
+    def span(self, node: cst.CSTNode) -> Tuple[int, int, int]:
+        """Start line, start column and end line of a node of the original tree.
 
         Position metadata costs a full extra pass, so it is computed only for files that
         have something to report."""
@@ -98,8 +104,8 @@ class FileContext:
             self._positions = wrapper.resolve(PositionProvider)
         pos = self._positions.get(node)
         if pos is None:
-            return (0, 0)
-        return (pos.start.line, pos.start.column)
+            return (0, 0, 0)
+        return (pos.start.line, pos.start.column, pos.end.line)
 
     def suppressed(self, code: str, line: int) -> bool:
         """`# noqa` or `# noqa: GM301,GM302` on the line."""
@@ -307,11 +313,11 @@ def process(
 def _findings(ctx: FileContext) -> List[Finding]:
     out = []
     for rep in ctx.reports:
-        line, col = (rep.line, rep.col) if rep.node is None else ctx.position(rep.node)
+        line, col, end = (rep.line, rep.col, rep.line) if rep.node is None else ctx.span(rep.node)
         if ctx.has_noqa() and ctx.suppressed(rep.code, line):
             continue
         fixed = rep.fixed and rep.code in ctx.fixing
-        out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review))
+        out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end))
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out
 
