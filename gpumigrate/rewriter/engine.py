@@ -185,7 +185,9 @@ def _decode(source: bytes, path: str) -> str:
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
     except SyntaxError as exc:
-        raise UserError(f"{path}:1: cannot read: {exc.msg}") from None
+        if "encoding" not in str(exc) or "declaration" not in str(exc):
+            raise UserError(f"{path}:1: cannot read: {exc}") from None
+        encoding = "utf-8"  # undecodable bytes in the first two lines: say where below
     try:
         return source.decode(encoding)
     except UnicodeDecodeError as exc:
@@ -204,9 +206,9 @@ _PY2_HINTS = (
 _PY2_LINE = re.compile(r"^\s*(print\s+[^\s(=]|exec\s+[\"']|raise\s+\w+\s*,|except\s+[\w.]+\s*,\s*\w+\s*:)|`|<>")
 
 
-def _compile_error(source: bytes, path: str) -> Optional[SyntaxError]:
+def _compile_error(source: bytes, path: str, full: bool = False) -> Optional[SyntaxError]:
     try:
-        compile(source, path, "exec", dont_inherit=True, flags=0x400)  # PyCF_ONLY_AST
+        compile(source, path, "exec", dont_inherit=True, flags=0 if full else 0x400)  # PyCF_ONLY_AST
     except SyntaxError as exc:
         return exc
     except ValueError as exc:  # null bytes
@@ -214,13 +216,20 @@ def _compile_error(source: bytes, path: str) -> Optional[SyntaxError]:
     return None
 
 
+def _line(text: str, number: Optional[int]) -> str:
+    lines = text.splitlines()
+    return lines[number - 1] if number and 0 < number <= len(lines) else ""
+
+
+def _is_python2(message: str, line: str) -> bool:
+    return any(hint in message for hint in _PY2_HINTS) or bool(_PY2_LINE.search(line))
+
+
 def _parse_error(source: bytes, text: str, path: str, exc: cst.ParserSyntaxError) -> UserError:
     err = _compile_error(source, path)
     line = (err.lineno if err and err.lineno else exc.raw_line) or 1
     message = err.msg if err else exc.message
-    lines = text.splitlines()
-    bad_line = lines[line - 1] if 0 < line <= len(lines) else ""
-    if any(hint in message for hint in _PY2_HINTS) or _PY2_LINE.search(bad_line):
+    if _is_python2(message, _line(text, line)):
         return UserError(f"{path}:{line}: cannot parse: Python 2 syntax ({message}); run 2to3 on it first")
     return UserError(f"{path}:{line}: cannot parse: {message}")
 
@@ -228,9 +237,16 @@ def _parse_error(source: bytes, text: str, path: str, exc: cst.ParserSyntaxError
 def _parse(source: bytes, path: str, rules: Sequence[type]) -> Tuple[cst.Module, bytes, List[_Report]]:
     text = _decode(source, path)
     try:
-        return cst.parse_module(source), source, []
+        module = cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
         first_error = exc
+    else:
+        # LibCST accepts some Python 2 forms (`except E, e:`); CPython's parser is the judge,
+        # and at a tenth of LibCST's cost it is cheap to ask.
+        err = _compile_error(source, path)
+        if err is not None and _is_python2(err.msg, _line(text, err.lineno)):
+            raise UserError(f"{path}:{err.lineno}: cannot parse: Python 2 syntax ({err.msg}); run 2to3 on it first")
+        return module, source, []
     # Some old scripts only parse under an older grammar; rules may know a lexical repair.
     for rule in rules:
         repair = getattr(rule, "repair", None)
@@ -323,11 +339,12 @@ def _findings(ctx: FileContext) -> List[Finding]:
 
 
 def _verify(new_source: bytes, old_source: bytes, path: str) -> None:
-    """The promise: output always parses and compiles."""
-    err = _compile_error(new_source, path)
+    """The promise: output always parses and compiles (to bytecode: some errors, such as a
+    repeated keyword argument, only the compiler sees)."""
+    err = _compile_error(new_source, path, full=True)
     if err is None:
         return
-    if _compile_error(old_source, path) is not None:
+    if _compile_error(old_source, path, full=True) is not None:
         # Input this Python cannot compile (newer grammar): LibCST re-parse is the check.
         try:
             cst.parse_module(new_source)

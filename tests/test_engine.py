@@ -1,0 +1,134 @@
+"""The engine's promises: bytes kept, output compiles, idempotent, errors as one line."""
+
+import codecs
+
+import pytest
+
+from gpumigrate.codemods import ALL_RULES
+from gpumigrate.codemods.device import CudaCall
+from gpumigrate.rewriter.engine import process
+from gpumigrate.rewriter.names import ImportTable
+from tests.conftest import lint, migrate
+
+import libcst as cst
+
+
+def test_crlf_kept():
+    source = b"import torch\r\n\r\nx = torch.ones(1).cuda()  # move\r\ny = 2\r\n"
+    out = migrate(source).new_source
+    assert b"x = torch.ones(1).to(device)  # move\r\n" in out
+    assert b"\n" not in out.replace(b"\r\n", b"")
+
+
+def test_bom_kept():
+    source = codecs.BOM_UTF8 + b"import torch\nx = torch.ones(1).cuda()\n"
+    out = migrate(source).new_source
+    assert out.startswith(codecs.BOM_UTF8)
+    assert out.count(codecs.BOM_UTF8) == 1
+
+
+def test_coding_cookie_kept():
+    source = "# -*- coding: latin-1 -*-\nimport torch\n# d\u00e9j\u00e0\nx = torch.ones(1).cuda()\n".encode("latin-1")
+    out = migrate(source).new_source
+    assert out.startswith(b"# -*- coding: latin-1 -*-\n")
+    assert "# d\u00e9j\u00e0\n".encode("latin-1") in out
+    compile(out, "x.py", "exec")
+
+
+def test_no_trailing_newline():
+    out = migrate(b"import torch\nx = torch.ones(1).cuda()").new_source
+    assert out.endswith(b"x = torch.ones(1).to(device)")
+
+
+def test_untouched_file_is_not_rewritten():
+    source = b"import torch\n\n\nx  =  torch.ones( 1 )   # odd spacing\n"
+    result = migrate(source)
+    assert result.new_source is None and result.findings == []
+
+
+def test_async_kwarg_is_repaired_before_parsing():
+    source = b"import torch\nx = y.cuda(async=True)\nz = w.to(dev, async=True)\nasync def f():\n    pass\n"
+    result = migrate(source)
+    assert result.error is None
+    assert b"x = y.to(device, non_blocking=True)" in result.new_source
+    assert b"z = w.to(dev, non_blocking=True)" in result.new_source
+    assert b"async def f():" in result.new_source
+    assert [(f.code, f.line) for f in result.findings if f.code == "GM205"] == [("GM205", 2), ("GM205", 3)]
+
+
+@pytest.mark.parametrize("source, message", [
+    (b"print 'hello'\n", "1: cannot parse: Python 2 syntax"),
+    (b"try:\n    pass\nexcept Exception, e:\n    pass\n", "3: cannot parse: Python 2 syntax"),
+    (b"x = 0777\n", "1: cannot parse: Python 2 syntax"),
+    (b"def f(:\n    pass\n", "1: cannot parse: invalid syntax"),
+    (b"x = (\n", "1: cannot parse:"),
+    (b"x = 1\x00\n", "cannot parse"),
+])
+def test_parse_errors_are_one_line(source, message):
+    result = migrate(source, path="s.py")
+    assert result.error.startswith("s.py:") and message in result.error
+    assert "\n" not in result.error
+    assert result.new_source is None
+
+
+def test_undecodable_source():
+    result = migrate(b"x = '\xff'\n", path="s.py")
+    assert result.error.startswith("s.py:1: cannot decode as utf-8")
+
+
+def test_output_that_would_not_compile_is_dropped(monkeypatch):
+    # a rule that produces broken code must not cost the user the file
+    class Breaks(CudaCall):
+        code = "GM999"
+        triggers = ()
+
+        def leave_Call(self, original, updated):
+            if self.qualify(original.func) == "torch.ones":
+                return cst.parse_expression("f(x=1, x=2)")  # parses, does not compile
+            return None
+
+    result = process(b"import torch\ny = torch.ones(1)\n", "s.py", [Breaks], fix=["GM999"],
+                     names_factory=ImportTable)
+    assert result.new_source is None
+    assert result.error.startswith("s.py:2: fixes dropped: the rewritten file would not compile")
+
+
+def test_noqa_suppresses_finding_and_fix():
+    source = b"import torch\na = torch.ones(1).cuda()  # noqa: GM101\nb = torch.ones(1).cuda()  # noqa\nc = x.cuda()  # noqa: GM999\n"
+    result = migrate(source)
+    assert [f.line for f in result.findings if f.code == "GM101"] == [4]
+    out = result.new_source
+    assert b"a = torch.ones(1).cuda()  # noqa: GM101" in out
+    assert b"b = torch.ones(1).cuda()  # noqa" in out
+    assert b"c = x.to(device)" in out
+
+
+def test_one_traversal_for_all_rules(monkeypatch):
+    """Every rule shares one visit of the tree (the engine's cost promise)."""
+    visits = []
+    original = cst.Module.visit
+
+    def counting(self, visitor):
+        visits.append(type(visitor).__name__)
+        return original(self, visitor)
+
+    monkeypatch.setattr(cst.Module, "visit", counting)
+    lint(b"import torch\nx = 1\n", ALL_RULES)
+    assert visits.count("_Dispatch") == 1
+    assert len(visits) == 1  # no position metadata, no scans, on a file with nothing to report
+
+
+def test_import_table_resolves_aliases():
+    module = cst.parse_module(
+        "import torch\nimport torch.nn as nn\nfrom torch.nn import DataParallel as DP\n"
+        "from torch.autograd import Variable\nimport torch.distributed\n"
+    )
+    names = ImportTable(module)
+    q = lambda code: names.qualify(cst.parse_expression(code))
+    assert q("nn.DataParallel") == "torch.nn.DataParallel"
+    assert q("torch.nn.DataParallel") == "torch.nn.DataParallel"
+    assert q("DP") == "torch.nn.DataParallel"
+    assert q("Variable") == "torch.autograd.Variable"
+    assert q("torch.distributed.init_process_group") == "torch.distributed.init_process_group"
+    assert q("unknown.thing") is None
+    assert names.local_name_for("torch.nn.functional.relu") == "nn.functional.relu"
