@@ -1,0 +1,124 @@
+"""Where the device comes from: one definition, in scope for every use, never clobbering."""
+
+import textwrap
+
+from tests.conftest import migrate
+
+
+def fix(code: str) -> str:
+    result = migrate(textwrap.dedent(code).encode())
+    assert result.error is None, result.error
+    out = (result.new_source or result.source).decode()
+    assert migrate(out.encode()).new_source is None, "not idempotent"
+    compile(out, "x.py", "exec")
+    return out
+
+
+def test_definition_goes_after_the_flag_inside_main():
+    out = fix("""\
+        import argparse
+        import torch
+
+        def main():
+            parser = argparse.ArgumentParser()
+            parser.add_argument('--no-cuda', action='store_true')
+            args = parser.parse_args()
+            use_cuda = not args.no_cuda and torch.cuda.is_available()
+            model = torch.nn.Linear(2, 2)
+            if use_cuda:
+                model.cuda()
+        """)
+    assert textwrap.dedent("""\
+            use_cuda = not args.no_cuda and torch.cuda.is_available()
+            device = get_device() if use_cuda else torch.device("cpu")
+            model = torch.nn.Linear(2, 2)
+            model.to(device)
+        """) in textwrap.dedent(out.split("def main():\n", 1)[1])
+    assert out.count("get_device()") == 1
+
+
+def test_flag_out_of_reach_keeps_guards():
+    # the flag lives in main(), the .cuda() calls in train(): the device is defined at module
+    # level and the guards stay, so --no-cuda still keeps everything on the CPU
+    out = fix("""\
+        import torch
+
+        def train(model, x, use_cuda):
+            if use_cuda:
+                x = x.cuda()
+            return model(x)
+
+        def main():
+            use_cuda = not args.no_cuda and torch.cuda.is_available()
+            model = torch.nn.Linear(2, 2)
+            if use_cuda:
+                model.cuda()
+        """)
+    assert "from gpumigrate.runtime import get_device\n\ndevice = get_device()\n" in out
+    assert "    if use_cuda:\n        x = x.to(device)\n" in out
+    assert "    if use_cuda:\n        model.to(device)\n" in out
+
+
+def test_existing_name_device_is_not_clobbered():
+    out = fix("""\
+        import torch
+
+        def run(model, device='gpu0'):
+            print(device)
+            return model.cuda()
+        """)
+    assert "torch_device = get_device()" in out
+    assert "return model.to(torch_device)" in out
+    assert "print(device)" in out
+
+
+def test_existing_agnostic_device_is_reused():
+    source = """\
+        import torch
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        x = torch.ones(1).cuda()
+        """
+    out = fix(source)
+    assert "get_device" not in out
+    assert "x = torch.ones(1).to(device)" in out
+
+
+def test_variable_index_keeps_the_users_choice():
+    out = fix("""\
+        import torch
+        model = torch.nn.Linear(2, 2).cuda(args.gpu)
+        """)
+    assert "model = torch.nn.Linear(2, 2).to(get_device(args.gpu))" in out
+    assert "device = get_device()" not in out
+
+
+def test_guard_with_else_is_kept():
+    out = fix("""\
+        import torch
+        if torch.cuda.is_available():
+            x = torch.ones(1).cuda()
+        else:
+            x = torch.zeros(1)
+        """)
+    assert "if torch.cuda.is_available():\n    x = torch.ones(1).to(device)\nelse:" in out
+
+
+def test_one_line_guard_is_unwrapped_and_comments_kept():
+    out = fix("""\
+        import torch
+        cuda = True if torch.cuda.is_available() else False
+        # move everything
+        if cuda: generator.cuda(); discriminator.cuda()
+        """)
+    assert "# move everything\ngenerator.to(device)\ndiscriminator.to(device)\n" in out
+    # a flag that only says "CUDA is there" does not decide the device: MPS counts too
+    assert "device = get_device()\n" in out
+
+
+def test_set_device_in_a_block_leaves_pass():
+    out = fix("""\
+        import torch
+        if args.gpu is not None:
+            torch.cuda.set_device(args.gpu)
+        """)
+    assert "if args.gpu is not None:\n    pass\n" in out
