@@ -8,12 +8,14 @@ from typing import List, Optional, Sequence, Tuple
 import click
 
 from gpumigrate import __version__
-from gpumigrate.codemods import ALL_RULES, RULES_BY_CODE, TARGETS, fixed_codes, rules_for
+from gpumigrate.codemods import ALL_RULES, RULES_BY_CODE, TARGETS, fixed_codes, rules_for, select
 from gpumigrate.codemods.base import Clean, Flagged
+from gpumigrate.config import Config, ConfigError, load_config
+from gpumigrate.rewriter import report
 from gpumigrate.rewriter.diff import colourize, unified_diff
 from gpumigrate.rewriter.engine import FileResult
 from gpumigrate.rewriter.files import discover
-from gpumigrate.rewriter.run import process_paths, write_result
+from gpumigrate.rewriter.run import process_path, process_paths, write_result
 
 EXIT_OK, EXIT_CHANGES, EXIT_ERROR = 0, 1, 2
 
@@ -35,6 +37,7 @@ def main() -> None:
     \b
       gpumigrate train.py --to device      rewrite in place
       gpumigrate src/ --to device --diff   show what would change
+      gpumigrate lint src/                 report GPU memory and speed anti-patterns
       gpumigrate rules                     list the rules
       gpumigrate explain GM101             one rule's documentation
     """
@@ -46,8 +49,8 @@ def _err(message: str) -> None:
 
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@click.option("--to", "target", type=click.Choice(TARGETS), default="device", show_default=True,
-              help="What to migrate the scripts to.")
+@click.option("--to", "target", type=click.Choice(TARGETS), default=None,
+              help="What to migrate the scripts to (default: `target` in [tool.gpumigrate], else device).")
 @click.option("--diff", "show_diff", is_flag=True, help="Print a unified diff; write nothing.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if any file would change.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
@@ -57,7 +60,11 @@ def _err(message: str) -> None:
 def migrate(paths: Tuple[str, ...], target: str, show_diff: bool, check: bool, output: Optional[str],
             exclude: Tuple[str, ...], quiet: bool) -> None:
     """Rewrite PATHS (files or directories) for the --to target."""
-    files, errors = discover(paths, exclude)
+    config = _config(paths)
+    target = target or config.target or "device"
+    if target not in TARGETS:
+        raise click.UsageError(f"{config.path}: unknown target {target!r} (choose from {', '.join(TARGETS)})")
+    files, errors = discover(paths, (*config.exclude, *exclude))
     if output and (len(paths) != 1 or len(files) != 1):
         raise click.UsageError("-o/--output takes exactly one input file")
     for error in errors:
@@ -96,6 +103,100 @@ def _migrate(files: Sequence[str], target: str, show_diff: bool, check: bool, ou
                 verb = "would rewrite" if check else "rewrote"
                 _err(f"{verb} {result.path} ({sum(1 for f in result.findings if f.fixed)} edits)")
     return results
+
+
+def _config(paths: Sequence[str]) -> Config:
+    try:
+        return load_config(paths)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _codes(values: Sequence[str]) -> List[str]:
+    """`--select GM1,GM301 --select GM4` -> ["GM1", "GM301", "GM4"], checked against the rules."""
+    codes = [c.strip().upper() for v in values for c in v.split(",") if c.strip()]
+    for code in codes:
+        if not any(rule.code.startswith(code) for rule in ALL_RULES):
+            raise click.UsageError(f"no rule matches {code!r}; `gpumigrate rules` lists them")
+    return codes
+
+
+FORMATS = ("text", "json", "sarif", "github")
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--select", multiple=True, metavar="CODES", help="Only these codes or prefixes (GM3), comma-separated.")
+@click.option("--ignore", multiple=True, metavar="CODES", help="Skip these codes or prefixes.")
+@click.option("--fix", is_flag=True, help="Apply the fixes of the selected rules.")
+@click.option("--diff", "show_diff", is_flag=True, help="With --fix: print the fixes as a diff; write nothing.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True)
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip matching paths (repeatable).")
+def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...], fix: bool, show_diff: bool,
+         fmt: str, exclude: Tuple[str, ...]) -> None:
+    """Report GPU memory and speed anti-patterns in PATHS.
+
+    Exit 0 when clean, 1 when there are findings, 2 on errors."""
+    config = _config(paths)
+    # An explicit --select replaces the configuration's choice, ignores included.
+    chosen = _codes(select) or _codes(config.select)
+    ignored = _codes(ignore) if select else [*_codes(config.ignore), *_codes(ignore)]
+    rules = _select(chosen, ignored)
+    files, errors = discover(paths, (*config.exclude, *exclude))
+    for error in errors:
+        _err(f"error: {error}")
+    located, fixed, failed, files_with = [], 0, len(errors), set()
+    for path in files:
+        file_rules = _select(chosen, [*ignored, *_codes(config.ignored_for(path))]) if config.per_file_ignores else rules
+        fix_codes = [r.code for r in file_rules if r.fixed_in] if fix else []
+        result = process_path(path, file_rules, fix_codes)
+        if result.error:
+            failed += 1
+            _err(f"error: {result.error}")
+            continue
+        if fix and result.changed:
+            if show_diff:
+                click.echo(colourize(unified_diff(path, result.source, result.new_source)), nl=False)
+            else:
+                write_result(result)
+                if result.error:
+                    failed += 1
+                    _err(f"error: {result.error}")
+                    continue
+        fixed += sum(1 for f in result.findings if f.fixed)
+        for finding in result.findings:
+            if not finding.fixed:
+                located.append(report.Located(path, finding))
+                files_with.add(path)
+    located = report.sort_findings(located)
+    infos = {r.code: report.RuleInfo(r.code, r.name, r.message, r.docs(), bool(r.fixed_in)) for r in rules}
+    if fmt == "json":
+        click.echo(report.as_json(located, infos), nl=False)
+    elif fmt == "sarif":
+        click.echo(report.as_sarif(located, infos), nl=False)
+    elif fmt == "github":
+        click.echo(report.as_github(located), nl=False)
+    elif not show_diff:
+        click.echo(report.as_text(located), nl=False)
+    _lint_summary(located, fixed, len(files_with), len(files), fix, show_diff)
+    sys.exit(EXIT_ERROR if failed else EXIT_CHANGES if located else EXIT_OK)
+
+
+def _select(chosen: Sequence[str], ignored: Sequence[str]):
+    return select(list(chosen), list(ignored))
+
+
+def _lint_summary(located, fixed: int, files_with: int, files: int, fix: bool, show_diff: bool) -> None:
+    fixable = sum(1 for i in located if RULES_BY_CODE[i.finding.code].fixed_in and not i.finding.review)
+    parts = []
+    if fix:
+        parts.append(f"{'Would fix' if show_diff else 'Fixed'} {_plural(fixed, 'finding')}")
+    if located:
+        hint = f" ({fixable} fixable with --fix)" if fixable and not fix else ""
+        parts.append(f"{_plural(len(located), 'finding')}{hint} in {_plural(files_with, 'file')}")
+    else:
+        parts.append(f"no findings in {_plural(files, 'file')}")
+    _err(", ".join(parts))
 
 
 def _plural(n: int, word: str) -> str:

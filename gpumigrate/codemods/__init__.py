@@ -6,6 +6,7 @@ from typing import Dict, List, Tuple, Type
 
 from gpumigrate.codemods.base import Rule
 from gpumigrate.codemods.device import CudaCall, CudaTensorType, HardcodedDevice, LoadMapLocation, LoadWholeModel
+from gpumigrate.codemods.memory import EvalWithoutNoGrad, HalfBatchNorm, TensorAccumulation, TensorInContainer
 from gpumigrate.codemods.legacy import (
     AsyncKwarg,
     DataAccumulatorIndex,
@@ -31,6 +32,10 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     VariableTypeCheck,
     DataAccumulatorIndex,
     DeprecatedOverload,
+    TensorAccumulation,
+    TensorInContainer,
+    EvalWithoutNoGrad,
+    HalfBatchNorm,
 )
 
 # A target includes the ones it builds on: ddp applies every device fix too.
@@ -52,10 +57,17 @@ def rules_for(target: str) -> List[Type[Rule]]:
     return [rule for rule in ALL_RULES if rule.fixed_in & bases or getattr(rule, "reported_in", frozenset()) & bases]
 
 
-def select(codes: List[str], prefixes: List[str], ignore: List[str]) -> List[Type[Rule]]:
-    """Rules whose code starts with one of `prefixes` (all if empty) and none of `ignore`."""
-    return [
-        rule for rule in ALL_RULES
-        if rule.code in codes or (not prefixes or any(rule.code.startswith(p) for p in prefixes))
-        and not any(rule.code.startswith(p) for p in ignore)
-    ]
+def select(chosen: List[str], ignored: List[str]) -> List[Type[Rule]]:
+    """Rules whose code starts with one of `chosen` (all if empty) and not with `ignored`.
+    The more specific prefix wins, as in ruff: `--select GM3 --ignore GM301` keeps GM302,
+    `--select GM301 --ignore GM3` keeps GM301."""
+
+    def specificity(code: str, prefixes: List[str]) -> int:
+        return max((len(p) for p in prefixes if code.startswith(p)), default=-1)
+
+    picked = []
+    for rule in ALL_RULES:
+        selected = specificity(rule.code, chosen) if chosen else 0
+        if selected >= 0 and selected > specificity(rule.code, ignored):
+            picked.append(rule)
+    return picked

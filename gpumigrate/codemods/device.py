@@ -81,7 +81,7 @@ class CudaCall(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
         if not is_method_call(original, "cuda"):
             return None
-        self.report(original)
+        self.report(original.func.attr)
         index = get_arg(updated, "device", 0)
         rest = [a for a in updated.args if a is not index]
         device = device_plan(self.ctx).device_expr(index.value if index else None, self.fixing)

@@ -30,6 +30,7 @@ class LossAnalysis:
         self.ctx = ctx
         self.criteria: Set[str] = set()  # names bound to loss modules: criterion = nn.CrossEntropyLoss()
         self.losses: Dict[Scope, Set[str]] = {}
+        self.backward: Dict[Scope, Set[str]] = {}  # names `.backward()` is called on
         self._scan(ctx.module.body, None)
 
     def _scan(self, body, scope: Scope) -> None:
@@ -53,8 +54,11 @@ class LossAnalysis:
                     self.criteria.update(t.value for t in targets if isinstance(t, cst.Name))
                 elif self.is_loss(value, scope, names):
                     names.update(t.value for t in targets if isinstance(t, cst.Name))
-            for call in m.findall(stmt, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("backward")))):
-                names.add(call.func.value.value)
+            for call in m.findall(stmt, m.Call(func=m.Attribute(attr=m.Name("backward")))):
+                receiver = call.func.value
+                if isinstance(receiver, cst.Name):
+                    names.add(receiver.value)
+                self.backward.setdefault(scope, set()).update(n.value for n in m.findall(receiver, m.Name()))
 
     def is_loss(self, expr: cst.BaseExpression, scope: Scope, names: Optional[Set[str]] = None) -> bool:
         """Is `expr` a scalar loss tensor (still in the graph unless detached)?"""
@@ -86,6 +90,12 @@ class LossAnalysis:
                 and expr.func.attr.value in _REDUCTIONS and not expr.args:
             return True
         return self.is_loss(expr, scope)
+
+
+    def feeds_backward(self, name: str, scope: Scope) -> bool:
+        """Is `name` part of what `.backward()` is called on (`(a + b).backward()`,
+        `torch.stack(losses).sum().backward()`)? Then keeping its graph is the point."""
+        return name in self.backward.get(scope, set())
 
 
 def _loss_like(name: str) -> bool:
