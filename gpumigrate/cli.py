@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import List, Optional, Sequence, Tuple
 
@@ -56,9 +57,12 @@ def _err(message: str) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Write the result of a single input file here instead of in place.")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip matching paths (repeatable).")
+@click.option("--sync-bn", is_flag=True, help="ddp: convert BatchNorm to SyncBatchNorm when wrapping models.")
+@click.option("--report", "report_file", type=click.Path(dir_okay=False), default=None,
+              help="Write the migration report here: Markdown, or JSON for a .json name.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors and the summary.")
 def migrate(paths: Tuple[str, ...], target: str, show_diff: bool, check: bool, output: Optional[str],
-            exclude: Tuple[str, ...], quiet: bool) -> None:
+            exclude: Tuple[str, ...], sync_bn: bool, report_file: Optional[str], quiet: bool) -> None:
     """Rewrite PATHS (files or directories) for the --to target."""
     config = _config(paths)
     target = target or config.target or "device"
@@ -69,7 +73,9 @@ def migrate(paths: Tuple[str, ...], target: str, show_diff: bool, check: bool, o
         raise click.UsageError("-o/--output takes exactly one input file")
     for error in errors:
         _err(f"error: {error}")
-    results = _migrate(files, target, show_diff, check, output, quiet)
+    results = _migrate(files, target, show_diff, check, output, quiet, {"sync_bn": sync_bn})
+    if report_file:
+        _write_report(report_file, results, target)
     failed = len(errors) + sum(1 for r in results if r.error)
     changed = [r for r in results if r.changed]
     _summary(results, changed, failed, dry=show_diff or check)
@@ -80,10 +86,10 @@ def migrate(paths: Tuple[str, ...], target: str, show_diff: bool, check: bool, o
 
 
 def _migrate(files: Sequence[str], target: str, show_diff: bool, check: bool, output: Optional[str],
-             quiet: bool) -> List[FileResult]:
+             quiet: bool, options: dict) -> List[FileResult]:
     results = []
     rules, fix = rules_for(target), fixed_codes(target)
-    for result in process_paths(files, rules, fix):
+    for result in process_paths(files, rules, fix, options):
         results.append(result)
         if result.error:
             _err(f"error: {result.error}")
@@ -103,6 +109,35 @@ def _migrate(files: Sequence[str], target: str, show_diff: bool, check: bool, ou
                 verb = "would rewrite" if check else "rewrote"
                 _err(f"{verb} {result.path} ({sum(1 for f in result.findings if f.fixed)} edits)")
     return results
+
+
+def _write_report(path: str, results: List[FileResult], target: str) -> None:
+    """What changed and what needs a human, per file: Markdown, or JSON for a .json name."""
+    rows = [{"path": r.path, "changed": r.changed, "error": r.error,
+             "fixed": [{"code": f.code, "line": f.line, "message": f.message} for f in r.findings if f.fixed],
+             "review": [{"code": f.code, "line": f.line, "message": f.message} for f in r.findings if not f.fixed]}
+            for r in results]
+    if path.endswith(".json"):
+        text = json.dumps({"target": target, "files": rows}, indent=2) + "\n"
+    else:
+        lines = [f"# gpumigrate --to {target}: migration report", ""]
+        for row in rows:
+            lines.append(f"## {row['path']}")
+            if row["error"]:
+                lines.append(f"- error: {row['error']}")
+            for title, key in (("Changed", "fixed"), ("Review by hand", "review")):
+                if row[key]:
+                    lines += ["", f"### {title}", ""]
+                    lines += [f"- line {f['line']}: {f['code']} {f['message']}" for f in row[key]]
+            if not (row["fixed"] or row["review"] or row["error"]):
+                lines.append("- nothing to change")
+            lines.append("")
+        text = "\n".join(lines)
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise click.FileError(path, exc.strerror) from None
 
 
 def _config(paths: Sequence[str]) -> Config:

@@ -6,6 +6,19 @@ from typing import Dict, List, Tuple, Type
 
 from gpumigrate.codemods.base import Rule
 from gpumigrate.codemods.device import CudaCall, CudaTensorType, HardcodedDevice, LoadMapLocation, LoadWholeModel
+from gpumigrate.codemods.distributed import (
+    BatchNormWithoutSync,
+    CheckpointEveryRank,
+    CollectiveInRankBranch,
+    DataParallelWrapper,
+    DdpSetup,
+    DistributedSamplerRule,
+    LegacyLauncher,
+    RankZeroOutput,
+    ShuffleWithSampler,
+    UnreducedMetric,
+    WrappedAttribute,
+)
 from gpumigrate.codemods.memory import EvalWithoutNoGrad, HalfBatchNorm, TensorAccumulation, TensorInContainer
 from gpumigrate.codemods.legacy import (
     AsyncKwarg,
@@ -36,10 +49,21 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     TensorInContainer,
     EvalWithoutNoGrad,
     HalfBatchNorm,
+    DdpSetup,
+    DataParallelWrapper,
+    DistributedSamplerRule,
+    ShuffleWithSampler,
+    CheckpointEveryRank,
+    LegacyLauncher,
+    UnreducedMetric,
+    BatchNormWithoutSync,
+    CollectiveInRankBranch,
+    WrappedAttribute,
+    RankZeroOutput,
 )
 
 # A target includes the ones it builds on: ddp applies every device fix too.
-TARGET_BASES: Dict[str, Tuple[str, ...]] = {"device": ("device",)}
+TARGET_BASES: Dict[str, Tuple[str, ...]] = {"device": ("device",), "ddp": ("device", "ddp")}
 TARGETS = tuple(TARGET_BASES)
 
 RULES_BY_CODE: Dict[str, Type[Rule]] = {rule.code: rule for rule in ALL_RULES}
@@ -57,7 +81,7 @@ def rules_for(target: str) -> List[Type[Rule]]:
     return [rule for rule in ALL_RULES if rule.fixed_in & bases or getattr(rule, "reported_in", frozenset()) & bases]
 
 
-def select(chosen: List[str], ignored: List[str]) -> List[Type[Rule]]:
+def select(chosen: List[str], ignored: List[str], *, lint: bool = True) -> List[Type[Rule]]:
     """Rules whose code starts with one of `chosen` (all if empty) and not with `ignored`.
     The more specific prefix wins, as in ruff: `--select GM3 --ignore GM301` keeps GM302,
     `--select GM301 --ignore GM3` keeps GM301."""
@@ -67,6 +91,8 @@ def select(chosen: List[str], ignored: List[str]) -> List[Type[Rule]]:
 
     picked = []
     for rule in ALL_RULES:
+        if lint and not getattr(rule, "lint", True):
+            continue  # migration steps (e.g. GM400 ddp-setup) are not defects to report
         selected = specificity(rule.code, chosen) if chosen else 0
         if selected >= 0 and selected > specificity(rule.code, ignored):
             picked.append(rule)

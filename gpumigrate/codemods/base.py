@@ -45,6 +45,10 @@ class Rule:
     # The rule runs only on files containing one of these strings: a cheap pre-filter that
     # spares most rules on most files.
     triggers: ClassVar[Tuple[str, ...]] = ()
+    # False for migration steps that are not defects (GM400 ddp-setup): `lint` skips them.
+    lint: ClassVar[bool] = True
+    # Lint-only rules whose findings a migration to these targets lists for review by hand.
+    reported_in: ClassVar[FrozenSet[str]] = frozenset()
 
     def __init__(self, ctx: FileContext) -> None:
         self.ctx = ctx

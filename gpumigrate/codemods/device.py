@@ -255,11 +255,9 @@ class HardcodedDevice(Rule):
             if not is_cuda:
                 return None
             self.report(original)
-            if any(d.call is original for d in plan.hardcoded_defs):
-                if self.fixing:
-                    self.ctx.add_import(RUNTIME, "get_device")
-                args = [cst.Arg(cst.Integer(str(index)))] if plan.multi_index and index is not None else []
-                return cst.Call(func=cst.Name("get_device"), args=args)
+            definition = plan.existing_definition(original)
+            if definition is not None:
+                return plan.redefine(definition)
             index_node = cst.Integer(str(index)) if index is not None else None
             return plan.device_expr(index_node, self.fixing)
         args, changed = list(updated.args), False

@@ -16,7 +16,7 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 import libcst.matchers as m
 
-from gpumigrate.codemods.helpers import get_arg, is_method_call, literal_int, literal_str
+from gpumigrate.codemods.helpers import get_arg, is_method_call, keyword_arg, literal_int, literal_str
 from gpumigrate.rewriter.engine import FileContext
 
 RUNTIME = "gpumigrate.runtime"
@@ -134,7 +134,7 @@ class _Scanner(cst.CSTVisitor):
                 self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=is_cuda))
                 self.def_calls.add(id(value))
                 return
-            if qualified == f"{RUNTIME}.get_device":
+            if qualified in (f"{RUNTIME}.get_device", f"{RUNTIME}.setup_distributed"):
                 self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=False))
                 return
             if qualified in ("argparse.ArgumentParser.parse_args",) or is_method_call(value, "parse_args"):
@@ -200,6 +200,7 @@ class DevicePlan:
     ignored_flag: Optional[Flag] = None  # a flag the definition could not see
     multi_index: bool = False  # model parallelism: keep `.cuda(n)` placements
     hardcoded_defs: List[DeviceDef] = field(default_factory=list)
+    defs: List[DeviceDef] = field(default_factory=list)
     guard_flags: Set[str] = field(default_factory=set)  # `if <flag>:` guards safe to drop
     _registered: bool = False
 
@@ -222,14 +223,55 @@ class DevicePlan:
             local = f"torch.{attr}"
         return cst.parse_expression(local)
 
+    @property
+    def distributed(self) -> bool:
+        """The ddp migration: the device comes from `setup_distributed()`, which also joins
+        the process group (GM400 is the DDP set-up rule)."""
+        return "GM400" in self.ctx.fixing
+
     def definition_value(self, index: Optional[int] = None) -> cst.BaseExpression:
+        flag = self.flag.expr.deep_clone() if self.flag is not None else None
+        if self.distributed:
+            self.ctx.add_import(RUNTIME, "setup_distributed")
+            args = [keyword_arg("use_accelerator", flag)] if flag is not None else []
+            return cst.Call(func=cst.Name("setup_distributed"), args=args)
         self.ctx.add_import(RUNTIME, "get_device")
         args = [cst.Arg(cst.Integer(str(index)))] if (self.multi_index and index is not None) else []
         call = cst.Call(func=cst.Name("get_device"), args=args)
-        if self.flag is None:
+        if flag is None:
             return call
         cpu = cst.Call(func=self.torch_name("device"), args=[cst.Arg(cst.SimpleString('"cpu"'))])
-        return cst.IfExp(test=self.flag.expr.deep_clone(), body=call, orelse=cpu)
+        return cst.IfExp(test=flag, body=call, orelse=cpu)
+
+    def existing_definition(self, call: cst.Call) -> Optional[DeviceDef]:
+        return next((d for d in self.defs if d.call is call), None)
+
+    def redefine(self, d: DeviceDef) -> Optional[cst.BaseExpression]:
+        """The new value of a device the script defines itself, or None to keep it.
+
+        `torch.device("cuda:0")` -> `get_device()`; under ddp every definition becomes
+        `setup_distributed(...)`, keeping a `use_cuda`-style choice of the CPU."""
+        if not self.distributed:
+            if not d.hardcoded:
+                return None
+            _, index = torch_device_index(d.call)
+            self.ctx.add_import(RUNTIME, "get_device")
+            args = [cst.Arg(cst.Integer(str(index)))] if self.multi_index and index is not None else []
+            return cst.Call(func=cst.Name("get_device"), args=args)
+        if self.ctx.names.qualify(d.call.func) == f"{RUNTIME}.setup_distributed":
+            return None
+        self.ctx.add_import(RUNTIME, "setup_distributed")
+        args = []
+        first = get_arg(d.call, "type", 0)
+        test = first.value.test if first is not None and isinstance(first.value, cst.IfExp) else None
+        if test is not None and not m.findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available")))):
+            args = [keyword_arg("use_accelerator", test.deep_clone())]
+        return cst.Call(func=cst.Name("setup_distributed"), args=args)
+
+    def require_definition(self) -> None:
+        """ddp: every script joins the process group, with or without device uses."""
+        if self.name is None or self.define_at_top or self.define_after is not None:
+            self._need_definition()
 
     def _need_definition(self) -> None:
         if self._registered or not (self.define_at_top or self.define_after is not None):
@@ -297,6 +339,7 @@ def _build(ctx: FileContext) -> DevicePlan:
     literal = scanner.indices | {s.index for s in scanner.sites if s.index is not None}
     plan.multi_index = len(literal) > 1
     plan.hardcoded_defs = [d for d in scanner.defs if d.hardcoded]
+    plan.defs = list(scanner.defs)
     # `.cuda(i)` with a non-literal index, or any index under model parallelism, becomes
     # `get_device(i)`; every other site refers to the one device variable.
     needing = [s for s in scanner.sites if s.literal_index and not (s.index is not None and plan.multi_index)]
@@ -313,6 +356,8 @@ def _build(ctx: FileContext) -> DevicePlan:
             return plan
     if not needing and scanner.defs:
         plan.name = scanner.defs[0].name
+        return plan
+    if not needing and not plan.distributed:
         return plan
     plan.name = "device" if "device" not in scanner.bound else "torch_device"
     user_flags = [f for f in flags if not f.only_availability]

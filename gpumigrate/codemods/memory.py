@@ -44,8 +44,9 @@ class TensorAccumulation(Rule):
 
     ## Why is this bad?
     `loss` carries the autograd graph of its step. Adding it to a total links every step's
-    graph to the total, so no step's activations are ever freed: memory grows until the GPU
-    runs out. (`loss.item()` also makes the total a plain number for printing.)
+    graph to the total, so the graphs pile up step after step; where no `.backward()` frees
+    them (evaluation without `no_grad`), every step's saved activations stay in memory too,
+    until the GPU runs out. (`loss.item()` also makes the total a plain number to print.)
 
     ## Example
     ```python

@@ -70,8 +70,10 @@ _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)
 class FileContext:
     """What rules share about one file: the tree, its imports, and the edits they ask for."""
 
-    def __init__(self, module: cst.Module, path: str, text: str, names: Any) -> None:
+    def __init__(self, module: cst.Module, path: str, text: str, names: Any,
+                 options: Optional[Dict[str, Any]] = None) -> None:
         self.module = module
+        self.options: Dict[str, Any] = dict(options or {})  # e.g. {"sync_bn": True} from the CLI
         self.path = path
         self.text = text
         self.names = names
@@ -145,6 +147,33 @@ class FileContext:
             self.finishers.append(finisher)
 
 
+class _Chain:
+    """A FlattenSentinel built around the node itself, so that later rules keep working on
+    that node while the inserted statements stay in place."""
+
+    def __init__(self, sentinel: cst.FlattenSentinel, inner: cst.CSTNode) -> None:
+        self.nodes = list(sentinel.nodes)
+        self.position = next(i for i, n in enumerate(self.nodes) if n is inner)
+        self.inner = inner
+
+    def replace_inner(self, out: Any) -> "_Chain":
+        if isinstance(out, cst.FlattenSentinel):
+            nodes = list(out.nodes)
+            inner = next((n for n in nodes if n is self.inner), None)
+            self.nodes[self.position:self.position + 1] = nodes
+            if inner is not None:
+                self.position = self.position + nodes.index(inner)
+            self.inner = inner
+        else:
+            self.nodes[self.position] = out
+            self.inner = out
+        return self
+
+    def resolve(self) -> Any:
+        nodes = [n for n in self.nodes if not isinstance(n, cst.RemovalSentinel)]
+        return cst.FlattenSentinel(nodes) if len(nodes) != 1 else nodes[0]
+
+
 class _Dispatch(cst.CSTTransformer):
     """One traversal that calls every rule's visit_/leave_ methods for each node."""
 
@@ -168,17 +197,25 @@ class _Dispatch(cst.CSTTransformer):
 
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode):
         self.ctx.ancestors.pop()
-        result = updated
+        chain: Optional[_Chain] = None
+        current: Any = updated
         for rule, leave in self.leaves.get(type(original).__name__, ()):
-            out = leave(original, result)
+            out = leave(original, current)
             if out is None or rule.code not in self.ctx.fixing:
                 continue
             if self.ctx.has_noqa() and self.ctx.suppressed(rule.code, self.ctx.position(original)[0]):
                 continue
-            result = out
-            if not isinstance(result, type(original)):
-                break  # replaced by another kind of node, removed or flattened
-        return result
+            if isinstance(out, cst.FlattenSentinel) and any(n is current for n in out.nodes):
+                # statements inserted around this node: later rules still see the node
+                chain = _Chain(out, current) if chain is None else chain.replace_inner(out)
+                current = chain.inner
+                continue
+            if chain is not None:
+                chain.replace_inner(out)
+            current = out
+            if not isinstance(current, type(original)):
+                break  # replaced by another kind of node, or removed
+        return chain.resolve() if chain is not None else current
 
 
 def _decode(source: bytes, path: str) -> str:
@@ -293,6 +330,7 @@ def process(
     *,
     fix: Iterable[str] = (),
     names_factory: Callable[[cst.Module], Any],
+    options: Optional[Dict[str, Any]] = None,
 ) -> FileResult:
     """Run `rules` over one source unit. `fix`: codes whose fixes are applied.
 
@@ -301,7 +339,7 @@ def process(
     try:
         module, parsed_source, early = _parse(source, path, rules)
         text = _decode(parsed_source, path)
-        ctx = FileContext(module, path, text, names_factory(module))
+        ctx = FileContext(module, path, text, names_factory(module), options)
         ctx.fixing = set(fix)
         ctx.reports.extend(early)
         active = [rule(ctx) for rule in rules if _applies(rule, text)]

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import stat
 import os
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from gpumigrate.rewriter.engine import FileResult, process
 from gpumigrate.rewriter.files import read, write_atomic
 from gpumigrate.rewriter.names import ImportTable
 
 
-def process_path(path: str, rules: Sequence[type], fix: Sequence[str]) -> FileResult:
+def process_path(path: str, rules: Sequence[type], fix: Sequence[str], options: Optional[dict] = None) -> FileResult:
     try:
         source = read(path)
     except OSError as exc:
         return FileResult(path=path, source=b"", error=f"{path}: cannot read: {exc.strerror or exc}")
-    return process(source, path, rules, fix=fix, names_factory=ImportTable)
+    return process(source, path, rules, fix=fix, names_factory=ImportTable, options=options)
 
 
-def process_paths(paths: Sequence[str], rules: Sequence[type], fix: Sequence[str]) -> Iterator[FileResult]:
+def process_paths(paths: Sequence[str], rules: Sequence[type], fix: Sequence[str],
+                  options: Optional[dict] = None) -> Iterator[FileResult]:
     """Each file independently: one bad file never stops the others."""
     for path in paths:
-        yield process_path(path, rules, fix)
+        yield process_path(path, rules, fix, options)
 
 
 def write_result(result: FileResult, output: str = "") -> None:

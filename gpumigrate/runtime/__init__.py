@@ -1,98 +1,40 @@
 """Helpers that scripts rewritten by gpumigrate import. A public API: keep names stable.
 
-Depends on torch only. Importing this module has no side effects and no cost beyond torch.
+Depends on torch only. Importing this module has no side effects and no cost beyond torch;
+nothing here adds a synchronisation per training step.
 """
 
-from __future__ import annotations
+from gpumigrate.runtime.device import get_device, tensor_type
+from gpumigrate.runtime.distributed import (
+    barrier,
+    cleanup_distributed,
+    distributed_sampler,
+    get_rank,
+    get_world_size,
+    is_main_process,
+    reduce_mean,
+    reduce_sum,
+    set_epoch,
+    setup_distributed,
+    unwrap_model,
+    wrap_model,
+)
+from gpumigrate.runtime.precision import keep_batchnorm_fp32
 
-import os
-from typing import Any, Optional, Tuple, Union
-
-import torch
-from torch import nn
-
-__all__ = ["get_device", "keep_batchnorm_fp32", "tensor_type"]
-
-
-def _accelerator_count() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 0
-
-
-def get_device(index: Optional[int] = None) -> torch.device:
-    """The device to run on: CUDA, then Apple's MPS, then the CPU.
-
-    `index` picks the n-th GPU for model-parallel scripts (`encoder.cuda(0)`,
-    `decoder.cuda(1)`); with fewer GPUs than asked for, indices wrap around, so a two-GPU
-    script still runs on one. Without `index`, a process launched by torchrun (which sets
-    `LOCAL_RANK`) gets its own GPU.
-    """
-    if torch.cuda.is_available():
-        if index is None:
-            index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-        return torch.device("cuda", index % _accelerator_count())
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-class tensor_type:  # noqa: N801  (named like the legacy types it replaces)
-    """A stand-in for the legacy `torch.cuda.FloatTensor`-style constructors, on any device.
-
-    `Tensor = tensor_type(torch.float32, device)` then, as before:
-    `Tensor(3, 4)` (uninitialised, by sizes), `Tensor([1, 2])` or `Tensor(array)` (from data),
-    `Tensor()` (empty).
-    """
-
-    def __init__(self, dtype: torch.dtype, device: Union[torch.device, str, None] = None) -> None:
-        self.dtype = dtype
-        self.device = torch.device(device) if device is not None else get_device()
-
-    def __call__(self, *args: Any) -> torch.Tensor:
-        if not args:
-            return torch.empty(0, dtype=self.dtype, device=self.device)
-        if len(args) == 1 and not isinstance(args[0], (int, torch.Size)):
-            data = args[0]
-            if isinstance(data, torch.Tensor):
-                return data.to(device=self.device, dtype=self.dtype)
-            return torch.tensor(data, dtype=self.dtype, device=self.device)
-        sizes = args[0] if len(args) == 1 and isinstance(args[0], torch.Size) else args
-        return torch.empty(*sizes, dtype=self.dtype, device=self.device)
-
-    def __repr__(self) -> str:
-        return f"tensor_type({self.dtype}, {self.device})"
-
-
-def _to_float32(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-
-def _back_to_input_dtype(module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
-    dtype = getattr(module, "_gpumigrate_input_dtype", None)
-    if dtype is not None and isinstance(output, torch.Tensor) and output.dtype != dtype:
-        return output.to(dtype)
-    return output
-
-
-def _remember_dtype(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    module._gpumigrate_input_dtype = first.dtype if first is not None else None
-    return _to_float32(module, args)
-
-
-def keep_batchnorm_fp32(model: nn.Module) -> nn.Module:
-    """Keep the BatchNorm layers of a `.half()` model in float32.
-
-    Each BatchNorm's parameters and running statistics go back to float32; its input is
-    cast up to float32 and its output back to the input's dtype, so the layers around it
-    still see float16. Calling it again is harmless. Returns `model`.
-    """
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_gpumigrate_fp32", False):
-            module.float()
-            module.register_forward_pre_hook(_remember_dtype)
-            module.register_forward_hook(_back_to_input_dtype)
-            module._gpumigrate_fp32 = True
-    return model
+__all__ = [
+    "barrier",
+    "cleanup_distributed",
+    "distributed_sampler",
+    "get_device",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "keep_batchnorm_fp32",
+    "reduce_mean",
+    "reduce_sum",
+    "set_epoch",
+    "setup_distributed",
+    "tensor_type",
+    "unwrap_model",
+    "wrap_model",
+]
