@@ -115,10 +115,23 @@ def test_one_line_guard_is_unwrapped_and_comments_kept():
     assert "device = get_device()\n" in out
 
 
-def test_set_device_in_a_block_leaves_pass():
+def test_set_device_guard_goes_as_a_whole():
     out = fix("""\
         import torch
         if args.gpu is not None:
             torch.cuda.set_device(args.gpu)
+        x = 1
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+            print('on GPU 0')
         """)
-    assert "if args.gpu is not None:\n    pass\n" in out
+    assert out == "import torch\nx = 1\nif torch.cuda.is_available():\n    print('on GPU 0')\n"
+
+
+def test_set_device_alone_in_a_function_leaves_pass():
+    out = fix("""\
+        import torch
+        def pin():
+            torch.cuda.set_device(0)
+        """)
+    assert "def pin():\n    pass\n" in out

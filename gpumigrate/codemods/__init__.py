@@ -19,6 +19,7 @@ from gpumigrate.codemods.distributed import (
     UnreducedMetric,
     WrappedAttribute,
 )
+from gpumigrate.codemods.lint_only import LINT_ONLY_RULES
 from gpumigrate.codemods.memory import EvalWithoutNoGrad, HalfBatchNorm, TensorAccumulation, TensorInContainer
 from gpumigrate.codemods.legacy import (
     AsyncKwarg,
@@ -60,6 +61,7 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     CollectiveInRankBranch,
     WrappedAttribute,
     RankZeroOutput,
+    *LINT_ONLY_RULES,
 )
 
 # A target includes the ones it builds on: ddp applies every device fix too.

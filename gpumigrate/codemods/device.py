@@ -25,6 +25,7 @@ from gpumigrate.codemods.helpers import (
 )
 
 _CUDA_METHOD = m.Call(func=m.Attribute(attr=m.Name("cuda")))
+_SET_DEVICE = "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it (LOCAL_RANK's GPU under torchrun)"
 
 
 class CudaCall(Rule):
@@ -252,7 +253,7 @@ class HardcodedDevice(Rule):
         plan = device_plan(self.ctx)
         if self.qualify(original.func) == "torch.device":
             is_cuda, index = torch_device_index(original)
-            if not is_cuda:
+            if not is_cuda or plan.in_definition(original):
                 return None
             self.report(original)
             definition = plan.existing_definition(original)
@@ -274,22 +275,43 @@ class HardcodedDevice(Rule):
                 changed = True
         return updated.with_changes(args=args) if changed else None
 
+    def leave_IfExp(self, original: cst.IfExp, updated: cst.IfExp):
+        plan = device_plan(self.ctx)
+        definition = plan.existing_definition(original)
+        if definition is None or not (definition.hardcoded or plan.distributed):
+            return None
+        self.report(original)
+        return plan.redefine(definition)
+
     def leave_SimpleStatementLine(self, original, updated):
         keep = []
+        guard = self.ctx.ancestors[-2] if len(self.ctx.ancestors) > 1 else None
+        whole_if = isinstance(guard, cst.If) and self._only_set_device(guard) and isinstance(guard.body, cst.IndentedBlock)
         for small, new in zip(original.body, updated.body):
             if m.matches(small, m.Expr(m.Call())) and self.qualify(small.value.func) == "torch.cuda.set_device":
-                self.report(small.value, "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it "
-                                         "(LOCAL_RANK's GPU under torchrun)")
+                if not whole_if:  # else the `if` reports, as it goes too
+                    self.report(small.value, _SET_DEVICE)
             else:
                 keep.append(new)
         if len(keep) == len(updated.body):
             return None
         if not keep:
-            return remove_statement(self.ctx.ancestors, updated)
+            return remove_statement(self.ctx, updated)
         keep[-1] = keep[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
         return updated.with_changes(body=keep)
 
+    def _only_set_device(self, node: cst.If) -> bool:
+        body = node.body.body
+        return node.orelse is None and all(
+            isinstance(s, cst.SimpleStatementLine) and all(
+                m.matches(small, m.Expr(m.Call())) and self.qualify(small.value.func) == "torch.cuda.set_device"
+                for small in s.body) for s in body)
+
     def leave_If(self, original: cst.If, updated: cst.If):
+        if self._only_set_device(original) and not isinstance(original.body, cst.SimpleStatementSuite):
+            # `if torch.cuda.is_available(): torch.cuda.set_device(n)` goes as a whole
+            self.report(original, _SET_DEVICE)
+            return self.ctx.remove_statement(original)
         plan = device_plan(self.ctx)
         test = self.ctx.module.code_for_node(original.test).strip()
         if test not in plan.guard_flags or original.orelse is not None or "GM101" not in self.ctx.fixing:

@@ -56,7 +56,7 @@ def cuda_type_dtype(qualified: Optional[str]) -> Optional[str]:
 class DeviceDef:
     name: str
     stmt: cst.SimpleStatementLine
-    call: cst.Call
+    call: cst.BaseExpression  # torch.device(...), get_device(...), or an IfExp choosing between devices
     funcs: Tuple[cst.FunctionDef, ...]
     top: int  # statement order in the file
     hardcoded: bool
@@ -139,6 +139,16 @@ class _Scanner(cst.CSTVisitor):
                 return
             if qualified in ("argparse.ArgumentParser.parse_args",) or is_method_call(value, "parse_args"):
                 self.args_name = (target.value, stmt, funcs, top)
+        if isinstance(target, cst.Name) and isinstance(value, cst.IfExp):
+            # device = torch.device('cuda', args.local_rank) if torch.cuda.is_available() else torch.device('cpu')
+            branches = [b for b in (value.body, value.orelse)
+                        if isinstance(b, cst.Call) and names.qualify(b.func) == "torch.device"]
+            if len(branches) == 2:
+                hardcoded = any(torch_device_index(b)[0] for b in branches)
+                self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=hardcoded))
+                self.def_calls.update(id(b) for b in branches)
+                self.def_calls.add(id(value))
+                return
         if isinstance(target, (cst.Name, cst.Attribute)) and not _mentions_device(value, names):
             availability = [c for c in m.findall(value, m.Call()) if names.qualify(c.func) == "torch.cuda.is_available"]
             if availability:
@@ -251,6 +261,8 @@ class DevicePlan:
 
         `torch.device("cuda:0")` -> `get_device()`; under ddp every definition becomes
         `setup_distributed(...)`, keeping a `use_cuda`-style choice of the CPU."""
+        if isinstance(d.call, cst.IfExp):
+            return self._redefine_choice(d.call)
         if not self.distributed:
             if not d.hardcoded:
                 return None
@@ -267,6 +279,26 @@ class DevicePlan:
         if test is not None and not m.findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available")))):
             args = [keyword_arg("use_accelerator", test.deep_clone())]
         return cst.Call(func=cst.Name("setup_distributed"), args=args)
+
+    def _redefine_choice(self, choice: cst.IfExp) -> cst.BaseExpression:
+        """`torch.device('cuda', i) if COND else torch.device('cpu')`: COND that only asks for
+        CUDA is the runtime's job; a user's flag keeps choosing the CPU."""
+        test = choice.test
+        user_flag = not m.findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available"))))
+        if self.distributed:
+            self.ctx.add_import(RUNTIME, "setup_distributed")
+            args = [keyword_arg("use_accelerator", test.deep_clone())] if user_flag else []
+            return cst.Call(func=cst.Name("setup_distributed"), args=args)
+        self.ctx.add_import(RUNTIME, "get_device")
+        call = cst.Call(func=cst.Name("get_device"))
+        if not user_flag:
+            return call
+        cpu = cst.Call(func=self.torch_name("device"), args=[cst.Arg(cst.SimpleString('"cpu"'))])
+        return cst.IfExp(test=test.deep_clone(), body=call, orelse=cpu)
+
+    def in_definition(self, call: cst.CSTNode) -> bool:
+        """Is this torch.device(...) one branch of a device definition being rewritten whole?"""
+        return any(isinstance(d.call, cst.IfExp) and (call is d.call.body or call is d.call.orelse) for d in self.defs)
 
     def require_definition(self) -> None:
         """ddp: every script joins the process group, with or without device uses."""

@@ -17,6 +17,7 @@ import libcst.matchers as m
 
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import RUNTIME, device_plan
+from gpumigrate.codemods.memory import _EVAL_NAME, _calls_eval
 from gpumigrate.codemods.helpers import get_arg, is_method_call, keyword_arg, literal_bool, literal_str, remove_statement, same_code, with_args
 
 DATALOADER = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
@@ -275,7 +276,7 @@ class DataParallelWrapper(Rule):
         if len(updated.body) == 1 and isinstance(updated.body[0], cst.Assign) and len(updated.body[0].targets) == 1 \
                 and any(self.qualify(c.func) in DATA_PARALLEL for c in m.findall(original, m.Call())) \
                 and same_code(updated.body[0].targets[0].target, updated.body[0].value):
-            return remove_statement(self.ctx.ancestors, updated)
+            return remove_statement(self.ctx, updated)
         return None
 
 
@@ -703,7 +704,11 @@ class UnreducedMetric(Rule):
     def _eval_loop(self, loop: Optional[cst.For]) -> bool:
         if loop is None:
             return False
+        func = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), None)
+        in_evaluation = func is not None and (bool(_EVAL_NAME.match(func.name.value)) or _calls_eval(func))
         for name in m.findall(loop.iter, m.Name()):
+            if in_evaluation and "loader" in name.value and not _TRAIN_LOADER.search(name.value):
+                return True
             kind = self.analysis.loaders.get(name.value)
             if kind == "eval" or (kind is None and "loader" in name.value and _EVAL_LOADER.search(name.value)
                                   and not _TRAIN_LOADER.search(name.value)):
@@ -713,7 +718,8 @@ class UnreducedMetric(Rule):
     def _initialised(self) -> Set[str]:
         scope = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), self.ctx.module)
         return {a.targets[0].target.value for a in m.findall(scope, m.Assign(targets=[m.AssignTarget(m.Name())]))
-                if _is_number(a.value)}
+                if _is_number(a.value) or (isinstance(a.value, cst.Call) and (self.qualify(a.value.func) or "")
+                                           in ("torch.zeros", "torch.zeros_like"))}
 
     def _block(self, original_body, updated_body):
         out, changed = [], False
@@ -724,9 +730,11 @@ class UnreducedMetric(Rule):
             if not self._eval_loop(loop):
                 continue
             accumulators = []
-            for aug in m.findall(loop.body, m.AugAssign(target=m.Name(), operator=m.AddAssign())):
-                if aug.target.value not in accumulators:
-                    accumulators.append(aug.target.value)
+            for aug in m.findall(loop.body, m.AugAssign(target=m.Name() | m.Subscript(value=m.Name()),
+                                                        operator=m.AddAssign())):
+                name = aug.target.value if isinstance(aug.target, cst.Name) else aug.target.value.value
+                if name not in accumulators:
+                    accumulators.append(name)
             wanted = [n for n in accumulators if n in self._initialised()]
             following = updated_body[i + 1] if i + 1 < len(updated_body) else None
             if not wanted or (following is not None and m.findall(following, m.Call(func=m.Name("reduce_sum")))):
@@ -742,6 +750,9 @@ class UnreducedMetric(Rule):
         return out if changed else None
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock):
+        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+        if isinstance(parent, cst.With) and _loop_of(parent) is not None:
+            return None  # `with no_grad(): for ...`: the reduction goes after the `with`
         body = self._block(original.body, updated.body)
         return updated.with_changes(body=body) if body is not None else None
 
@@ -926,7 +937,7 @@ class WrappedAttribute(Rule):
 
 _SAFE_CALLS = {"str", "int", "float", "len", "round", "abs", "min", "max", "sum", "repr", "format", "sorted", "list",
                "tuple", "dict", "type", "isinstance", "getattr", "hasattr", "enumerate", "zip", "range", "any",
-               "all", "bool", "print"}
+               "all", "bool", "print", "unwrap_model", "get_rank", "get_world_size", "is_main_process"}
 _UNSAFE_METHODS = re.compile(r"^(train|test|eval|evaluate|validate|step|backward|run|fit|all_reduce|barrier|reduce.*)$")
 _LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 
@@ -1026,7 +1037,14 @@ class RankZeroOutput(Rule):
                 run.append(stmt)
                 continue
             if run:
-                out.append(_guard(self.ctx, run) if self.fixing else run[0])
+                previous = out[-1] if out else None
+                if _is_main_guard(previous, self.ctx.names) and previous.orelse is None \
+                        and not run[0].leading_lines:
+                    # join the rank-0 block just before (e.g. a checkpoint save)
+                    out[-1] = previous.with_changes(body=previous.body.with_changes(
+                        body=[*previous.body.body, *run]))
+                else:
+                    out.append(_guard(self.ctx, run))
                 run, changed = [], True
             if stmt is not None:
                 out.append(stmt)

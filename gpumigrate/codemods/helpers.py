@@ -10,14 +10,16 @@ import libcst.matchers as m
 
 def get_arg(call: cst.Call, keyword: str, position: Optional[int] = None) -> Optional[cst.Arg]:
     """The argument `keyword`, passed by name or (if `position` is given) positionally."""
-    positional = 0
+    positional: Optional[int] = 0
     for arg in call.args:
         if arg.keyword is not None:
             if arg.keyword.value == keyword:
                 return arg
-        elif arg.star:
-            return None  # *args hides positions after it
-        else:
+        elif arg.star == "*":
+            positional = None  # *args hides the positions after it
+        elif arg.star == "**":
+            continue
+        elif positional is not None:
             if positional == position:
                 return arg
             positional += 1
@@ -117,14 +119,12 @@ def strip_parens(node: cst.BaseExpression) -> cst.BaseExpression:
 CALL_WITH_ATTR = m.Call(func=m.Attribute())
 
 
-def remove_statement(ancestors: Sequence[cst.CSTNode], line: cst.SimpleStatementLine):
-    """Drop a statement line; `pass` stands in where the block would be left empty, and a
-    line that carries comments keeps them on a `pass`."""
-    block = ancestors[-1] if ancestors else None
-    commented = line.trailing_whitespace.comment is not None or any(l.comment for l in line.leading_lines)
-    if commented or (isinstance(block, cst.IndentedBlock) and len(block.body) == 1):
+def remove_statement(ctx, line: cst.SimpleStatementLine):
+    """Drop a statement line, keeping the blank lines and comments above it; a line that
+    carries a trailing comment keeps it on a `pass`."""
+    if line.trailing_whitespace.comment is not None:
         return line.with_changes(body=[cst.Pass()])
-    return cst.RemoveFromParent()
+    return ctx.remove_statement(line)
 
 
 def same_code(a: cst.CSTNode, b: cst.CSTNode) -> bool:

@@ -79,11 +79,18 @@ class DataIndexScalar(Rule):
             fixed="import torch.nn.functional as F\ntotal += F.nll_loss(out, y, reduction='sum').item()\n",
         ),
         Flagged("first = output.data[0]\n"),  # not known to be a scalar: review
+        Flagged("loss.data[0] = 1.0\n"),  # a write: review, never `loss.item() = 1.0`
         Clean("print(loss.item())\nrow = batch[0]\n"),
     )
 
     def leave_Subscript(self, original: cst.Subscript, updated: cst.Subscript) -> Optional[cst.BaseExpression]:
         if not (_is_data_attr(original.value) and _index_zero(original)):
+            return None
+        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+        if isinstance(parent, (cst.AssignTarget, cst.AugAssign, cst.Del)) and \
+                (getattr(parent, "target", None) is original):
+            self.report(original, "`.data[0] = ...` writes into a tensor: index the tensor itself "
+                                  "under `torch.no_grad()`", review=True)
             return None
         tensor = original.value.value
         if not loss_analysis(self.ctx).is_scalar(tensor, scope_of(self.ctx.ancestors)):
@@ -172,7 +179,7 @@ class VariableWrapper(Rule):
             return None
         assign = updated.body[0]
         if isinstance(assign, cst.Assign) and len(assign.targets) == 1 and same_code(assign.targets[0].target, assign.value):
-            return remove_statement(self.ctx.ancestors, updated)
+            return remove_statement(self.ctx, updated)
         return None
 
 

@@ -85,6 +85,7 @@ class FileContext:
         self._cache: Dict[Any, Any] = {}
         self._positions = None
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
+        self._removed: Dict[int, cst.CSTNode] = {}
 
     def shared(self, key: Any, build: Callable[["FileContext"], Any]) -> Any:
         """A per-file analysis, built once however many rules ask for it."""
@@ -139,6 +140,30 @@ class FileContext:
     def remove_import(self, module: str, name: Optional[str] = None) -> None:
         if (module, name) not in self.imports_to_remove:
             self.imports_to_remove.append((module, name))
+
+    def remove_statement(self, stmt: cst.BaseStatement) -> cst.SimpleStatementLine:
+        """Remove a statement but keep the blank lines and comments above it: it becomes a
+        placeholder that the traversal drops when it leaves the enclosing block."""
+        placeholder = cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=stmt.leading_lines)
+        self._removed[id(placeholder)] = placeholder  # held, so that its id is never reused
+        return placeholder
+
+    def drop_removed(self, body: Sequence[cst.BaseStatement]) -> Optional[List[cst.BaseStatement]]:
+        if not self._removed or not any(id(s) in self._removed for s in body):
+            return None
+        out: List[cst.BaseStatement] = []
+        carried: List[cst.EmptyLine] = []
+        for stmt in body:
+            if id(stmt) in self._removed:
+                carried.extend(stmt.leading_lines)
+                continue
+            if carried:
+                stmt = stmt.with_changes(leading_lines=[*carried, *stmt.leading_lines])
+                carried = []
+            out.append(stmt)
+        if not out:
+            out.append(cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=carried))
+        return out
 
     def add_finisher(self, key: Any, finisher: Callable[[cst.Module], cst.Module]) -> None:
         """A module-level edit run once after the traversal (e.g. inserting a definition)."""
@@ -215,7 +240,12 @@ class _Dispatch(cst.CSTTransformer):
             current = out
             if not isinstance(current, type(original)):
                 break  # replaced by another kind of node, or removed
-        return chain.resolve() if chain is not None else current
+        result = chain.resolve() if chain is not None else current
+        if isinstance(result, (cst.IndentedBlock, cst.Module)):
+            body = self.ctx.drop_removed(result.body)
+            if body is not None:
+                result = result.with_changes(body=body)
+        return result
 
 
 def _decode(source: bytes, path: str) -> str:
