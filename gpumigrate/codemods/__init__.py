@@ -14,6 +14,7 @@ from gpumigrate.codemods.distributed import (
     DdpSetup,
     DistributedSamplerRule,
     LegacyLauncher,
+    PerRankValue,
     RankZeroOutput,
     ShuffleWithSampler,
     UnreducedMetric,
@@ -61,6 +62,7 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     CollectiveInRankBranch,
     WrappedAttribute,
     RankZeroOutput,
+    PerRankValue,
     *LINT_ONLY_RULES,
 )
 

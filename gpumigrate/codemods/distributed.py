@@ -1069,3 +1069,57 @@ class RankZeroOutput(Rule):
             self.report(original, "TensorBoard writer on every rank: created on rank 0 only")
             return cst.IfExp(test=_main_process_test(self.ctx), body=updated, orelse=cst.Name("None"))
         return None
+
+
+_PER_RANK = {"tempfile.mkdtemp", "tempfile.mktemp", "uuid.uuid1", "uuid.uuid4", "time.time", "time.strftime",
+             "time.asctime", "datetime.datetime.now", "datetime.datetime.today", "datetime.date.today",
+             "socket.gethostname", "os.getpid"}
+
+
+class PerRankValue(Rule):
+    """
+    ## What it does
+    Makes values that differ per process agree (ddp migration): a run directory from
+    `tempfile.mkdtemp()`, a timestamp or a uuid is taken from rank 0 with
+    `broadcast_object`.
+
+    ## Why is this bad?
+    Under torchrun every rank computes its own value: rank 0 saves a checkpoint into its
+    directory and the other ranks look for it in theirs.
+
+    ## Example
+    ```python
+    run_dir = tempfile.mkdtemp(prefix="run_")
+    ```
+
+    ## Use instead
+    ```python
+    run_dir = broadcast_object(tempfile.mkdtemp(prefix="run_"))
+    ```
+    """
+
+    code = "GM411"
+    name = "per-rank-value"
+    message = "a value that differs per process: every rank must use rank 0's"
+    fixed_in = frozenset({"ddp"})
+    lint = False
+    triggers = ("tempfile", "uuid", "time", "datetime", "socket", "getpid")
+    examples = (
+        Flagged(
+            "import tempfile\nrun_dir = tempfile.mkdtemp()\n",
+            fixed="import tempfile\nfrom gpumigrate.runtime import broadcast_object\n\nrun_dir = broadcast_object(tempfile.mkdtemp())\n",
+        ),
+        Clean("import tempfile\nrun_dir = tempfile.gettempdir()\n"),
+    )
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
+        calls = [c for c in m.findall(original.value, m.Call()) if self.qualify(c.func) in _PER_RANK]
+        if not calls or m.matches(original.value, m.Call(func=m.Name("broadcast_object"))):
+            return None
+        if any(isinstance(a, (cst.For, cst.While)) for a in self.ctx.ancestors):
+            self.report(original.value, "a value that differs per process, computed in a loop: make the ranks "
+                                        "agree on it (broadcast_object) outside the loop", review=True)
+            return None
+        self.report(original.value)
+        func = _runtime(self.ctx, "broadcast_object") if self.fixing else cst.Name("broadcast_object")
+        return updated.with_changes(value=cst.Call(func=func, args=[cst.Arg(updated.value)]))

@@ -7,6 +7,7 @@ nothing here adds a synchronisation per training step.
 from gpumigrate.runtime.device import get_device, tensor_type
 from gpumigrate.runtime.distributed import (
     barrier,
+    broadcast_object,
     cleanup_distributed,
     distributed_sampler,
     get_rank,
@@ -23,6 +24,7 @@ from gpumigrate.runtime.precision import keep_batchnorm_fp32
 
 __all__ = [
     "barrier",
+    "broadcast_object",
     "cleanup_distributed",
     "distributed_sampler",
     "get_device",

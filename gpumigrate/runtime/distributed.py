@@ -32,18 +32,30 @@ def _launch() -> Optional[_Launch]:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return _Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]))
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # SLURM_STEP_NUM_TASKS is set inside an `srun` step; SLURM_NTASKS alone is also set for
+    # a plain `python train.py` in an sbatch script, which is one process.
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
             raise RuntimeError(
                 "srun without torchrun: set MASTER_ADDR and MASTER_PORT, e.g. "
                 "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) MASTER_PORT=29500"
             )
-        return _Launch(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]))
+        return _Launch(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_STEP_NUM_TASKS"]))
     return None
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """True in a process group of more than one process.
+
+    Raises if a launcher started several processes but `setup_distributed()` has not run
+    yet: every rank would silently train on the whole dataset."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    launch = _launch()
+    if launch is not None and launch.world_size > 1:
+        raise RuntimeError("launched as one of several processes: call setup_distributed() before "
+                           "building loaders or wrapping models")
+    return False
 
 
 def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = None) -> torch.device:
@@ -115,9 +127,10 @@ def wrap_model(
     """
     if not is_distributed() or isinstance(model, nn.parallel.DistributedDataParallel):
         return model
-    if sync_batchnorm:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     devices = {p.device for p in model.parameters()}
+    if sync_batchnorm and all(d.type == "cuda" for d in devices):
+        # SyncBatchNorm works on GPU modules only; on CPU (gloo) BatchNorm stays per process
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     device_ids = None
     if len(devices) == 1:
         (only,) = devices
@@ -155,8 +168,10 @@ def distributed_sampler(
     """The sampler a DataLoader needs to give each rank its own part of `dataset`.
 
     Training (`pad=True`): a DistributedSampler, which pads so every rank runs the same
-    number of steps (call `set_epoch` each epoch for a new order). Evaluation (`pad=False`):
-    a plain shard, so no sample is counted twice; reduce the metrics with `reduce_sum`.
+    number of steps (call `set_epoch` each epoch for a new order; its order follows `seed`,
+    the same on every rank, not `torch.manual_seed`). Evaluation (`pad=False`): a plain,
+    unshuffled shard, so no sample is counted twice; shards differ in size by at most one,
+    so sum the metrics with `reduce_sum` (a `reduce_mean` of per-rank means is biased).
     In one process: what `DataLoader(shuffle=...)` would use, so results do not change.
     """
     if not is_distributed():
@@ -164,6 +179,17 @@ def distributed_sampler(
     if not pad:
         return _Shard(dataset, get_rank(), get_world_size())
     return DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s value of `obj` on every rank (a run directory from `tempfile.mkdtemp()`,
+    a timestamp, a uuid): values that differ per process must agree before they name files.
+    In one process it returns `obj`."""
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
