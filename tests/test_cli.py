@@ -175,3 +175,47 @@ def test_python_dash_m(tmp_script):
     done = subprocess.run([sys.executable, "-m", "gpumigrate", str(path), "--check"], capture_output=True, text=True)
     assert done.returncode == 1
     assert "would change" in done.stderr
+
+
+DDP_SCRIPT = """\
+import torch
+from torch.utils.data import DataLoader
+
+model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).cuda()
+loader = DataLoader(train_set, batch_size=8, shuffle=True)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x.cuda()), y.cuda())
+        loss.backward()
+        optimizer.step()
+    print(epoch, loss.item())
+"""
+
+
+def test_ddp_report_markdown_and_json(run, tmp_script, tmp_path):
+    import json
+    path = tmp_script(DDP_SCRIPT)
+    result = run(path, "--to", "ddp", "--report", tmp_path / "report.md")
+    assert result.exit_code == 0
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith("# gpumigrate --to ddp: migration report")
+    assert "### Changed" in report and "GM400" in report
+    assert "### Review by hand" in report and "GM407" in report
+    assert "effective batch size is now WORLD_SIZE x 8" in report
+    run(tmp_script(DDP_SCRIPT, "again.py"), "--to", "ddp", "--report", tmp_path / "report.json")
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["target"] == "ddp"
+    (entry,) = data["files"]
+    assert entry["changed"] and any(f["code"] == "GM402" for f in entry["fixed"])
+    assert any(f["code"] == "GM407" for f in entry["review"])
+
+
+def test_ddp_sync_bn(run, tmp_script):
+    path = tmp_script(DDP_SCRIPT)
+    assert run(path, "--to", "ddp", "--sync-bn").exit_code == 0
+    text = path.read_text()
+    assert "model = wrap_model(model, sync_batchnorm=True)" in text
+    assert "sampler=distributed_sampler(train_set)" in text
+    assert "set_epoch(loader, epoch)" in text
+    assert "    if is_main_process():\n        print(epoch, loss.item())" in text

@@ -16,6 +16,7 @@ from gpumigrate.codemods.device_plan import (
     torch_device_index,
 )
 from gpumigrate.codemods.helpers import (
+    findall,
     get_arg,
     is_method_call,
     keyword_arg,
@@ -83,6 +84,8 @@ class CudaCall(Rule):
         if not is_method_call(original, "cuda"):
             return None
         self.report(original.func.attr)
+        if not self.fixing:
+            return None
         index = get_arg(updated, "device", 0)
         rest = [a for a in updated.args if a is not index]
         device = device_plan(self.ctx).device_expr(index.value if index else None, self.fixing)
@@ -138,7 +141,7 @@ class CudaTensorType(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.aliases: Dict[str, str] = {}
-        for assign in m.findall(node, m.Assign(targets=[m.AssignTarget(m.Name())])):
+        for assign in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())])):
             value = assign.value
             branches = [value.body, value.orelse] if isinstance(value, cst.IfExp) else [value]
             for branch in branches:
@@ -250,10 +253,12 @@ class HardcodedDevice(Rule):
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
-        plan = device_plan(self.ctx)
         if self.qualify(original.func) == "torch.device":
             is_cuda, index = torch_device_index(original)
-            if not is_cuda or plan.in_definition(original):
+            if not is_cuda:
+                return None
+            plan = device_plan(self.ctx)
+            if plan.in_definition(original):
                 return None
             self.report(original)
             definition = plan.existing_definition(original)
@@ -271,11 +276,14 @@ class HardcodedDevice(Rule):
             if is_cuda:
                 self.report(arg.value)
                 index_node = cst.Integer(str(index)) if index is not None else None
-                args[i] = args[i].with_changes(value=plan.device_expr(index_node, self.fixing))
+                args[i] = args[i].with_changes(value=device_plan(self.ctx).device_expr(index_node, self.fixing))
                 changed = True
         return updated.with_changes(args=args) if changed else None
 
     def leave_IfExp(self, original: cst.IfExp, updated: cst.IfExp):
+        if not any(isinstance(b, cst.Call) and self.qualify(b.func) == "torch.device"
+                   for b in (original.body, original.orelse)):
+            return None
         plan = device_plan(self.ctx)
         definition = plan.existing_definition(original)
         if definition is None or not (definition.hardcoded or plan.distributed):
@@ -312,9 +320,11 @@ class HardcodedDevice(Rule):
             # `if torch.cuda.is_available(): torch.cuda.set_device(n)` goes as a whole
             self.report(original, _SET_DEVICE)
             return self.ctx.remove_statement(original)
+        if original.orelse is not None or "GM101" not in self.ctx.fixing or not self.fixing:
+            return None
         plan = device_plan(self.ctx)
         test = self.ctx.module.code_for_node(original.test).strip()
-        if test not in plan.guard_flags or original.orelse is not None or "GM101" not in self.ctx.fixing:
+        if test not in plan.guard_flags:
             return None
         body = original.body
         if isinstance(body, cst.IndentedBlock):
@@ -326,7 +336,7 @@ class HardcodedDevice(Rule):
             stmts = [cst.SimpleStatementLine(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)])
                      for s in updated.body.body]
             originals = list(body.body)
-        if not all(m.findall(s, _CUDA_METHOD) for s in originals) or any(m.findall(s, _CUDA_METHOD) for s in stmts):
+        if not all(findall(s, _CUDA_METHOD) for s in originals) or any(findall(s, _CUDA_METHOD) for s in stmts):
             return None
         self.report(original, f"`if {test}:` guard around `.cuda()`: the device already says where to run")
         stmts[0] = stmts[0].with_changes(leading_lines=[*original.leading_lines, *stmts[0].leading_lines])
@@ -337,11 +347,11 @@ def _whole_model_names(module: cst.Module, qualify) -> Set[str]:
     """Names the script loads a whole pickled module into (`model = torch.load(f)`, then
     `model.eval()`), and whether it saves whole modules at all."""
     loaded: Set[str] = set()
-    for assign in m.findall(module, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call())):
+    for assign in findall(module, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call())):
         if qualify(assign.value.func) == "torch.load":
             loaded.add(assign.targets[0].target.value)
     used = set()
-    for call in m.findall(module, m.Call()):
+    for call in findall(module, m.Call()):
         func = call.func
         if isinstance(func, cst.Name) and func.value in loaded:
             used.add(func.value)
@@ -352,10 +362,10 @@ def _whole_model_names(module: cst.Module, qualify) -> Set[str]:
 
 
 def _saves_whole_module(module: cst.Module, qualify) -> bool:
-    for call in m.findall(module, m.Call()):
+    for call in findall(module, m.Call()):
         if qualify(call.func) == "torch.save" and call.args:
             obj = call.args[0].value
-            if isinstance(obj, cst.Name) and not m.findall(module, m.Assign(targets=[m.AssignTarget(m.Name(obj.value))], value=m.Dict())):
+            if isinstance(obj, cst.Name) and not findall(module, m.Assign(targets=[m.AssignTarget(m.Name(obj.value))], value=m.Dict())):
                 return True
     return False
 
@@ -401,6 +411,8 @@ class LoadMapLocation(Rule):
         if any(a.star for a in original.args):
             return None
         self.report(original)
+        if not self.fixing:
+            return None
         device = device_plan(self.ctx).device_expr(None, self.fixing)
         return with_args(updated, [*updated.args, keyword_arg("map_location", device)])
 

@@ -16,7 +16,7 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 import libcst.matchers as m
 
-from gpumigrate.codemods.helpers import get_arg, is_method_call, keyword_arg, literal_int, literal_str
+from gpumigrate.codemods.helpers import findall, get_arg, is_method_call, keyword_arg, literal_int, literal_str
 from gpumigrate.rewriter.engine import FileContext
 
 RUNTIME = "gpumigrate.runtime"
@@ -113,11 +113,11 @@ class _Scanner(cst.CSTVisitor):
             self._assignment(node, node.body[0].targets[0].target, node.body[0].value)
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        for target in m.findall(node.target, m.Name()):
+        for target in findall(node.target, m.Name()):
             self.bound.add(target.value)
 
     def visit_For(self, node: cst.For) -> None:
-        for target in m.findall(node.target, m.Name()):
+        for target in findall(node.target, m.Name()):
             self.bound.add(target.value)
 
     def _here(self) -> Tuple[Tuple[cst.FunctionDef, ...], int]:
@@ -150,11 +150,11 @@ class _Scanner(cst.CSTVisitor):
                 self.def_calls.add(id(value))
                 return
         if isinstance(target, (cst.Name, cst.Attribute)) and not _mentions_device(value, names):
-            availability = [c for c in m.findall(value, m.Call()) if names.qualify(c.func) == "torch.cuda.is_available"]
+            availability = [c for c in findall(value, m.Call()) if names.qualify(c.func) == "torch.cuda.is_available"]
             if availability:
-                inside = {id(n) for call in availability for n in m.findall(call, m.Name())}
+                inside = {id(n) for call in availability for n in findall(call, m.Name())}
                 only = all(
-                    n.value in ("True", "False") for n in m.findall(value, m.Name()) if id(n) not in inside
+                    n.value in ("True", "False") for n in findall(value, m.Name()) if id(n) not in inside
                 )
                 code = self.ctx.module.code_for_node(target)
                 self.flags.append(Flag(code, target, stmt, funcs, top, only))
@@ -197,7 +197,7 @@ class _Scanner(cst.CSTVisitor):
 
 
 def _mentions_device(value: cst.BaseExpression, names) -> bool:
-    return any(names.qualify(c.func) == "torch.device" for c in m.findall(value, m.Call()))
+    return any(names.qualify(c.func) == "torch.device" for c in findall(value, m.Call()))
 
 
 @dataclass
@@ -276,7 +276,7 @@ class DevicePlan:
         args = []
         first = get_arg(d.call, "type", 0)
         test = first.value.test if first is not None and isinstance(first.value, cst.IfExp) else None
-        if test is not None and not m.findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available")))):
+        if test is not None and not findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available")))):
             args = [keyword_arg("use_accelerator", test.deep_clone())]
         return cst.Call(func=cst.Name("setup_distributed"), args=args)
 
@@ -284,7 +284,7 @@ class DevicePlan:
         """`torch.device('cuda', i) if COND else torch.device('cpu')`: COND that only asks for
         CUDA is the runtime's job; a user's flag keeps choosing the CPU."""
         test = choice.test
-        user_flag = not m.findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available"))))
+        user_flag = not findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available"))))
         if self.distributed:
             self.ctx.add_import(RUNTIME, "setup_distributed")
             args = [keyword_arg("use_accelerator", test.deep_clone())] if user_flag else []

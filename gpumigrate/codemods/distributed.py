@@ -18,7 +18,7 @@ import libcst.matchers as m
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import RUNTIME, device_plan
 from gpumigrate.codemods.memory import _EVAL_NAME, _calls_eval
-from gpumigrate.codemods.helpers import get_arg, is_method_call, keyword_arg, literal_bool, literal_str, remove_statement, same_code, with_args
+from gpumigrate.codemods.helpers import findall, get_arg, is_method_call, keyword_arg, literal_bool, literal_str, remove_statement, same_code, with_args
 
 DATALOADER = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
 DATA_PARALLEL = ("torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
@@ -64,21 +64,21 @@ def _build(ctx) -> DdpAnalysis:
     names = ctx.names
     a = DdpAnalysis()
     module = ctx.module
-    optimizers = [c for c in m.findall(module, m.Call())
+    optimizers = [c for c in findall(module, m.Call())
                   if (names.qualify(c.func) or "").startswith("torch.optim.") and c.args]
     feeding: Dict[str, Set[str]] = {}  # param-list names -> models: params = list(a.parameters()) + ...
-    for assign in m.findall(module, m.Assign(targets=[m.AssignTarget(m.Name())])):
+    for assign in findall(module, m.Assign(targets=[m.AssignTarget(m.Name())])):
         models = _parameter_owners(assign.value)
         if models:
             feeding[assign.targets[0].target.value] = models
     used: Set[str] = set()
     for call in optimizers:
         owners = _parameter_owners(call.args[0].value)
-        for name in m.findall(call.args[0].value, m.Name()):
+        for name in findall(call.args[0].value, m.Name()):
             owners |= feeding.get(name.value, set())
         used |= owners
     # models the script (or an earlier run) already wraps
-    wrapped = {c.args[0].value.value for c in m.findall(module, m.Call(args=[m.Arg(m.Name()), m.ZeroOrMore()]))
+    wrapped = {c.args[0].value.value for c in findall(module, m.Call(args=[m.Arg(m.Name()), m.ZeroOrMore()]))
                if (names.qualify(c.func) or "") in (f"{RUNTIME}.wrap_model", *DDP_CLASSES)}
     a.models = sorted(used)
     a.already_wrapped = wrapped
@@ -88,17 +88,17 @@ def _build(ctx) -> DdpAnalysis:
                 if n in used and n not in wrapped and n not in _flat(a.wrap_before)]
         if here:
             a.wrap_before[id(stmt)] = here
-    for assign in m.findall(module, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call())):
+    for assign in findall(module, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call())):
         target = assign.targets[0].target.value
         qualified = names.qualify(assign.value.func) or ""
         if qualified in DATALOADER:
             a.loaders[target] = _loader_kind(target, module)
         elif qualified.endswith("SummaryWriter"):
             a.writers.add(target)
-    a.reloads = any(names.qualify(c.func) == "torch.load" for c in m.findall(module, m.Call()))
+    a.reloads = any(names.qualify(c.func) == "torch.load" for c in findall(module, m.Call()))
     a.conditional_forward = any(
-        f.name.value == "forward" and m.findall(f.body, m.If())
-        for f in m.findall(module, m.FunctionDef())
+        f.name.value == "forward" and findall(f.body, m.If())
+        for f in findall(module, m.FunctionDef())
     )
     return a
 
@@ -108,11 +108,11 @@ def _flat(groups: Dict[int, List[str]]) -> Set[str]:
 
 
 def _parameter_owners(node: cst.CSTNode) -> Set[str]:
-    return {c.func.value.value for c in m.findall(node, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("parameters"))))}
+    return {c.func.value.value for c in findall(node, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("parameters"))))}
 
 
 def _all_statements(module: cst.Module):
-    return m.findall(module, m.SimpleStatementLine())
+    return findall(module, m.SimpleStatementLine())
 
 
 def _loader_kind(name: str, module: cst.Module) -> str:
@@ -120,8 +120,8 @@ def _loader_kind(name: str, module: cst.Module) -> str:
         return "train"
     if _EVAL_LOADER.search(name):
         return "eval"
-    for loop in m.findall(module, m.For()):
-        if m.findall(loop.iter, m.Name(name)) and m.findall(loop.body, m.Call(func=m.Attribute(attr=m.Name("backward")))):
+    for loop in findall(module, m.For()):
+        if findall(loop.iter, m.Name(name)) and findall(loop.body, m.Call(func=m.Attribute(attr=m.Name("backward")))):
             return "train"
     return "eval"
 
@@ -248,8 +248,8 @@ class DataParallelWrapper(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.wrapped = {a.targets[0].target.value for a in m.findall(node, m.Assign(targets=[m.AssignTarget(m.Name())]))
-                        if m.findall(a.value, m.Call()) and any(self.qualify(c.func) in DATA_PARALLEL for c in m.findall(a.value, m.Call()))}
+        self.wrapped = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())]))
+                        if findall(a.value, m.Call()) and any(self.qualify(c.func) in DATA_PARALLEL for c in findall(a.value, m.Call()))}
         self.wrapped |= set(ddp_analysis(self.ctx).models)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
@@ -274,7 +274,7 @@ class DataParallelWrapper(Rule):
     def leave_SimpleStatementLine(self, original, updated):
         # `model = nn.DataParallel(model)` leaves `model = model`
         if len(updated.body) == 1 and isinstance(updated.body[0], cst.Assign) and len(updated.body[0].targets) == 1 \
-                and any(self.qualify(c.func) in DATA_PARALLEL for c in m.findall(original, m.Call())) \
+                and any(self.qualify(c.func) in DATA_PARALLEL for c in findall(original, m.Call())) \
                 and same_code(updated.body[0].targets[0].target, updated.body[0].value):
             return remove_statement(self.ctx, updated)
         return None
@@ -387,7 +387,7 @@ class DistributedSamplerRule(Rule):
         body = updated.body
         if not isinstance(body, cst.IndentedBlock):
             return None
-        present = {c.args[0].value.value for c in m.findall(original.body, m.Call(func=m.Name("set_epoch"), args=[m.Arg(m.Name()), m.Arg()]))}
+        present = {c.args[0].value.value for c in findall(original.body, m.Call(func=m.Name("set_epoch"), args=[m.Arg(m.Name()), m.Arg()]))}
         missing = [n for n in scope_names if n not in present]
         if not missing:
             return None
@@ -409,7 +409,7 @@ class DistributedSamplerRule(Rule):
             return None
         dataset = get_arg(call, "dataset", 0)
         if dataset is None or m.matches(dataset.value, m.Name() | m.Attribute()) \
-                or m.findall(call, m.Arg(keyword=m.Name("sampler") | m.Name("batch_sampler"))):
+                or findall(call, m.Arg(keyword=m.Name("sampler") | m.Name("batch_sampler"))):
             return None
         name = self._dataset_name(assign.targets[0].target.value)
         hoisted = cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(name))],
@@ -424,7 +424,7 @@ class DistributedSamplerRule(Rule):
     def _dataset_name(self, loader: str) -> str:
         base = loader[: -len("loader")].rstrip("_") if loader.endswith("loader") else loader
         base = f"{base}_dataset" if base not in ("", "data") else "dataset"
-        used = self.ctx.shared("names-used", lambda ctx: {n.value for n in m.findall(ctx.module, m.Name())})
+        used = self.ctx.shared("names-used", lambda ctx: {n.value for n in findall(ctx.module, m.Name())})
         name, n = base, 1
         while name in used:
             n += 1
@@ -435,11 +435,11 @@ class DistributedSamplerRule(Rule):
         """`**kwargs` is safe when every dict literal it is built from lacks these keys."""
         if not isinstance(kwargs, cst.Name):
             return True
-        values = [a.value for a in m.findall(self.ctx.module, m.Assign(targets=[m.AssignTarget(m.Name(kwargs.value))]))]
+        values = [a.value for a in findall(self.ctx.module, m.Assign(targets=[m.AssignTarget(m.Name(kwargs.value))]))]
         if not values:
             return True
         for value in values:
-            dicts = m.findall(value, m.Dict())
+            dicts = findall(value, m.Dict())
             if not dicts:
                 return True
             for d in dicts:
@@ -456,10 +456,10 @@ class DistributedSamplerRule(Rule):
         out = []
         for name, kind in sorted(self.analysis.loaders.items()):
             assign = m.Assign(targets=[m.AssignTarget(m.Name(name))])
-            if kind != "train" or m.findall(loop.body, assign):
+            if kind != "train" or findall(loop.body, assign):
                 continue
-            if any(m.findall(s, assign) for s in self.ctx.module.body if not isinstance(s, (cst.FunctionDef, cst.ClassDef))) \
-                    or (func is not None and m.findall(func.body, assign)):
+            if any(findall(s, assign) for s in self.ctx.module.body if not isinstance(s, (cst.FunctionDef, cst.ClassDef))) \
+                    or (func is not None and findall(func.body, assign)):
                 out.append(name)
         return out
 
@@ -546,7 +546,7 @@ class CheckpointEveryRank(Rule):
         self.analysis = ddp_analysis(self.ctx)
 
     def _saves(self, node: cst.CSTNode) -> List[cst.Call]:
-        return [c for c in m.findall(node, m.Call()) if self.qualify(c.func) == "torch.save"]
+        return [c for c in findall(node, m.Call()) if self.qualify(c.func) == "torch.save"]
 
     def _guarded(self) -> bool:
         return any(_is_main_guard(a, self.ctx.names) for a in self.ctx.ancestors)
@@ -633,7 +633,7 @@ class LegacyLauncher(Rule):
         if flag not in ("--local_rank", "--local-rank"):
             return None
         default = get_arg(updated, "default")
-        if default is not None and m.findall(default.value, m.SimpleString(value=m.MatchIfTrue(lambda v: "LOCAL_RANK" in v))):
+        if default is not None and findall(default.value, m.SimpleString(value=m.MatchIfTrue(lambda v: "LOCAL_RANK" in v))):
             return None
         self.report(original)
         if self.fixing:
@@ -706,7 +706,7 @@ class UnreducedMetric(Rule):
             return False
         func = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), None)
         in_evaluation = func is not None and (bool(_EVAL_NAME.match(func.name.value)) or _calls_eval(func))
-        for name in m.findall(loop.iter, m.Name()):
+        for name in findall(loop.iter, m.Name()):
             if in_evaluation and "loader" in name.value and not _TRAIN_LOADER.search(name.value):
                 return True
             kind = self.analysis.loaders.get(name.value)
@@ -717,7 +717,7 @@ class UnreducedMetric(Rule):
 
     def _initialised(self) -> Set[str]:
         scope = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), self.ctx.module)
-        return {a.targets[0].target.value for a in m.findall(scope, m.Assign(targets=[m.AssignTarget(m.Name())]))
+        return {a.targets[0].target.value for a in findall(scope, m.Assign(targets=[m.AssignTarget(m.Name())]))
                 if _is_number(a.value) or (isinstance(a.value, cst.Call) and (self.qualify(a.value.func) or "")
                                            in ("torch.zeros", "torch.zeros_like"))}
 
@@ -730,14 +730,14 @@ class UnreducedMetric(Rule):
             if not self._eval_loop(loop):
                 continue
             accumulators = []
-            for aug in m.findall(loop.body, m.AugAssign(target=m.Name() | m.Subscript(value=m.Name()),
+            for aug in findall(loop.body, m.AugAssign(target=m.Name() | m.Subscript(value=m.Name()),
                                                         operator=m.AddAssign())):
                 name = aug.target.value if isinstance(aug.target, cst.Name) else aug.target.value.value
                 if name not in accumulators:
                     accumulators.append(name)
             wanted = [n for n in accumulators if n in self._initialised()]
             following = updated_body[i + 1] if i + 1 < len(updated_body) else None
-            if not wanted or (following is not None and m.findall(following, m.Call(func=m.Name("reduce_sum")))):
+            if not wanted or (following is not None and findall(following, m.Call(func=m.Name("reduce_sum")))):
                 continue
             source = next((o for o in originals if o is not None and o.iter.deep_equals(loop.iter)), None)
             self.report(source or loop, f"{', '.join(wanted)} summed over one rank's shard: reduced over ranks")
@@ -865,7 +865,7 @@ class CollectiveInRankBranch(Rule):
             return
         for ancestor in self.ctx.ancestors:
             if isinstance(ancestor, cst.If) and _RANK_TEST.search(self.ctx.module.code_for_node(ancestor.test)):
-                if any(n is node for n in m.findall(ancestor.body, m.Call())):
+                if any(n is node for n in findall(ancestor.body, m.Call())):
                     self.report(node)
                     return
 
@@ -921,7 +921,7 @@ class WrappedAttribute(Rule):
             return
         wrappers = DATA_PARALLEL + ("torch.nn.parallel.DistributedDataParallel",
                                     "torch.nn.parallel.distributed.DistributedDataParallel")
-        self.models = {a.targets[0].target.value for a in m.findall(node, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call()))
+        self.models = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call()))
                        if self.qualify(a.value.func) in wrappers}
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
@@ -983,7 +983,7 @@ class RankZeroOutput(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.writers = set(ddp_analysis(self.ctx).writers)
-        self.loggers = {a.targets[0].target.value for a in m.findall(node, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call()))
+        self.loggers = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call()))
                         if self.qualify(a.value.func) == "logging.getLogger"}
 
     def _output(self, stmt: cst.CSTNode) -> Optional[bool]:
@@ -1006,7 +1006,7 @@ class RankZeroOutput(Rule):
                               or (func.value.value in self.loggers and func.attr.value in _LOG_METHODS))))
         if not is_output:
             return None
-        return all(self._safe(c) for c in m.findall(cst.Tuple([cst.Element(a.value) for a in call.args]) if call.args
+        return all(self._safe(c) for c in findall(cst.Tuple([cst.Element(a.value) for a in call.args]) if call.args
                                                      else cst.Tuple([]), m.Call()))
 
     def _safe(self, call: cst.Call) -> bool:
@@ -1113,7 +1113,7 @@ class PerRankValue(Rule):
     )
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
-        calls = [c for c in m.findall(original.value, m.Call()) if self.qualify(c.func) in _PER_RANK]
+        calls = [c for c in findall(original.value, m.Call()) if self.qualify(c.func) in _PER_RANK]
         if not calls or m.matches(original.value, m.Call(func=m.Name("broadcast_object"))):
             return None
         if any(isinstance(a, (cst.For, cst.While)) for a in self.ctx.ancestors):

@@ -12,6 +12,8 @@ from typing import Dict, Optional, Set, Tuple
 import libcst as cst
 import libcst.matchers as m
 
+from gpumigrate.codemods.helpers import findall
+
 from gpumigrate.rewriter.engine import FileContext
 
 _FUNCTIONAL_LOSSES = {
@@ -44,7 +46,7 @@ class LossAnalysis:
                     if isinstance(inner, cst.FunctionDef):
                         self._scan(inner.body.body, inner)
                 continue
-            for assign in m.findall(stmt, m.Assign() | m.AugAssign() | m.AnnAssign()):
+            for assign in findall(stmt, m.Assign() | m.AugAssign() | m.AnnAssign()):
                 targets = [t.target for t in assign.targets] if isinstance(assign, cst.Assign) else [assign.target]
                 value = assign.value
                 if value is None:
@@ -54,11 +56,11 @@ class LossAnalysis:
                     self.criteria.update(t.value for t in targets if isinstance(t, cst.Name))
                 elif self.is_loss(value, scope, names):
                     names.update(t.value for t in targets if isinstance(t, cst.Name))
-            for call in m.findall(stmt, m.Call(func=m.Attribute(attr=m.Name("backward")))):
+            for call in findall(stmt, m.Call(func=m.Attribute(attr=m.Name("backward")))):
                 receiver = call.func.value
                 if isinstance(receiver, cst.Name):
                     names.add(receiver.value)
-                self.backward.setdefault(scope, set()).update(n.value for n in m.findall(receiver, m.Name()))
+                self.backward.setdefault(scope, set()).update(n.value for n in findall(receiver, m.Name()))
 
     def is_loss(self, expr: cst.BaseExpression, scope: Scope, names: Optional[Set[str]] = None) -> bool:
         """Is `expr` a scalar loss tensor (still in the graph unless detached)?"""

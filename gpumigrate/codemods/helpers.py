@@ -7,6 +7,8 @@ from typing import Iterator, Optional, Sequence
 import libcst as cst
 import libcst.matchers as m
 
+from gpumigrate.rewriter.engine import CURRENT
+
 
 def get_arg(call: cst.Call, keyword: str, position: Optional[int] = None) -> Optional[cst.Arg]:
     """The argument `keyword`, passed by name or (if `position` is given) positionally."""
@@ -131,3 +133,9 @@ def same_code(a: cst.CSTNode, b: cst.CSTNode) -> bool:
     """Equal up to whitespace and parentheses."""
     render = cst.Module(body=[]).code_for_node
     return "".join(render(a).split()).strip("()") == "".join(render(b).split()).strip("()")
+
+
+def findall(root: cst.CSTNode, matcher) -> list:
+    """`libcst.matchers.findall`, answered from the file's node index when it can be."""
+    ctx = CURRENT.get()
+    return ctx.find(root, matcher) if ctx is not None else m.findall(root, matcher)

@@ -17,6 +17,7 @@ import libcst.matchers as m
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.graph import loss_analysis, scope_of
 from gpumigrate.codemods.helpers import (
+    findall,
     call_method,
     get_arg,
     is_method_call,
@@ -207,7 +208,7 @@ def under_no_grad(ctx, ancestors) -> bool:
 
 
 def calls_backward(node: cst.CSTNode) -> bool:
-    return bool(m.findall(node, m.Call(func=m.Attribute(attr=m.Name("backward")))))
+    return bool(findall(node, m.Call(func=m.Attribute(attr=m.Name("backward")))))
 
 
 def no_grad_decorator(ctx) -> cst.Decorator:
@@ -495,11 +496,11 @@ class DataAccumulatorIndex(Rule):
     def visit_Module(self, node: cst.Module) -> None:
         accumulated = {
             aug.target.value
-            for aug in m.findall(node, m.AugAssign(target=m.Name(), operator=m.AddAssign()))
+            for aug in findall(node, m.AugAssign(target=m.Name(), operator=m.AddAssign()))
             if self._data_leaves(aug.value)
         }
         indexed = {
-            sub.value.value for sub in m.findall(node, m.Subscript(value=m.Name())) if _index_zero(sub)
+            sub.value.value for sub in findall(node, m.Subscript(value=m.Name())) if _index_zero(sub)
         }
         self.names = accumulated & indexed
 

@@ -15,7 +15,7 @@ import libcst.matchers as m
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import RUNTIME
 from gpumigrate.codemods.graph import loss_analysis, scope_of
-from gpumigrate.codemods.helpers import call_method, is_method_call
+from gpumigrate.codemods.helpers import findall, call_method, is_method_call
 from gpumigrate.codemods.legacy import calls_backward, no_grad_decorator, no_grad_with, under_no_grad
 
 
@@ -84,7 +84,7 @@ class TensorAccumulation(Rule):
     )
 
     def _skip(self, target: cst.BaseExpression) -> bool:
-        names = [n.value for n in m.findall(target, m.Name())]
+        names = [n.value for n in findall(target, m.Name())]
         analysis, scope = loss_analysis(self.ctx), scope_of(self.ctx.ancestors)
         return any(analysis.feeds_backward(n, scope) for n in names) or under_no_grad(self.ctx, self.ctx.ancestors)
 
@@ -164,7 +164,7 @@ class TensorInContainer(Rule):
         analysis, scope = loss_analysis(self.ctx), scope_of(self.ctx.ancestors)
         if not analysis.is_loss(value, scope) or under_no_grad(self.ctx, self.ctx.ancestors):
             return None
-        container = [n.value for n in m.findall(original.func.value, m.Name())]
+        container = [n.value for n in findall(original.func.value, m.Name())]
         if any(analysis.feeds_backward(n, scope) for n in container):
             return None
         self.report(original.args[0])
@@ -178,7 +178,7 @@ _TRAIN_MODE = m.Call(func=m.Attribute(attr=m.Name("train")))
 
 
 def _calls_eval(node: cst.CSTNode) -> bool:
-    return bool(m.findall(node, m.Call(func=m.Attribute(attr=m.Name("eval")), args=[])))
+    return bool(findall(node, m.Call(func=m.Attribute(attr=m.Name("eval")), args=[])))
 
 
 def _own_body(func: cst.FunctionDef):
@@ -258,12 +258,12 @@ class EvalWithoutNoGrad(Rule):
                         self.functions.add(id(inner))
                 continue
             if isinstance(stmt, cst.SimpleStatementLine):
-                if m.findall(stmt, _TRAIN_MODE):
+                if findall(stmt, _TRAIN_MODE):
                     evaluating = False
                 elif _calls_eval(stmt):
                     evaluating = True
             elif isinstance(stmt, (cst.For, cst.While)) and evaluating and not decorated:
-                if not calls_backward(stmt) and not _has_no_grad_block(self.ctx, stmt) and m.findall(stmt, m.Call()):
+                if not calls_backward(stmt) and not _has_no_grad_block(self.ctx, stmt) and findall(stmt, m.Call()):
                     self.loops.add(id(stmt))
             elif isinstance(stmt, cst.If) and stmt.test and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
                 self._blocks(stmt.body.body, decorated)
@@ -272,9 +272,9 @@ class EvalWithoutNoGrad(Rule):
         named = bool(_EVAL_NAME.match(func.name.value))
         body = cst.IndentedBlock(body=_own_body(func))
         evals = _calls_eval(body)
-        if not (evals or (named and not method and m.findall(body, m.For() | m.Call(func=m.Name())))):
+        if not (evals or (named and not method and findall(body, m.For() | m.Call(func=m.Name())))):
             return False
-        if named and not evals and func.name.value.startswith("test_") and m.findall(body, m.Assert()):
+        if named and not evals and func.name.value.startswith("test_") and findall(body, m.Assert()):
             return False  # a pytest test, not an evaluation
         return not calls_backward(func) and not _has_no_grad(self.ctx, func) and not _has_no_grad_block(self.ctx, body)
 
@@ -302,7 +302,7 @@ def _has_no_grad(ctx, func: cst.FunctionDef) -> bool:
 
 
 def _has_no_grad_block(ctx, node: cst.CSTNode) -> bool:
-    return any(under_no_grad(ctx, [w]) for w in m.findall(node, m.With()))
+    return any(under_no_grad(ctx, [w]) for w in findall(node, m.With()))
 
 
 _HALF_STATEMENT = m.SimpleStatementLine(body=[
@@ -358,7 +358,7 @@ class HalfBatchNorm(Rule):
         self.active = "BatchNorm" in self.ctx.text
         self.guarded = {
             call.args[0].value.value
-            for call in m.findall(node, m.Call(func=m.Name("keep_batchnorm_fp32"), args=[m.Arg(m.Name())]))
+            for call in findall(node, m.Call(func=m.Name("keep_batchnorm_fp32"), args=[m.Arg(m.Name())]))
         }
 
     def leave_SimpleStatementLine(self, original, updated):

@@ -8,6 +8,7 @@ with the file, not with the number of rules.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import re
 import tokenize
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -67,6 +69,32 @@ class _Report:
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.I)
 
 
+class _NodeIndex(cst.CSTVisitor):
+    """Every node of the original tree in pre-order, with where each subtree ends.
+
+    One visit builds it; afterwards "all calls under this statement" is a slice and an
+    isinstance test instead of a matcher visitor per query (LibCST's findall visits every
+    node of the subtree each time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: List[cst.CSTNode] = []
+        self.start: Dict[int, int] = {}
+        self.end: Dict[int, int] = {}
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.start[id(node)] = len(self.order)
+        self.order.append(node)
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.end[id(original_node)] = len(self.order)
+
+
+# The file being processed, so that shared helpers can use its node index.
+CURRENT: "contextvars.ContextVar[Optional[FileContext]]" = contextvars.ContextVar("gpumigrate_file", default=None)
+
+
 class FileContext:
     """What rules share about one file: the tree, its imports, and the edits they ask for."""
 
@@ -86,6 +114,21 @@ class FileContext:
         self._positions = None
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
         self._removed: Dict[int, cst.CSTNode] = {}
+        self._index: Optional[_NodeIndex] = None
+
+    def find(self, root: cst.CSTNode, matcher: Any) -> List[cst.CSTNode]:
+        """`libcst.matchers.findall(root, matcher)`, fast for subtrees of the original tree."""
+        if self._index is None:
+            self._index = _NodeIndex()
+            self.module.visit(self._index)
+        start = self._index.start.get(id(root))
+        if start is None or self._index.order[start] is not root:
+            return m.findall(root, matcher)  # a node the fixes built
+        kind = getattr(cst, type(matcher).__name__, None)
+        nodes = self._index.order[start:self._index.end[id(root)]]
+        if isinstance(kind, type) and issubclass(kind, cst.CSTNode):
+            return [n for n in nodes if isinstance(n, kind) and m.matches(n, matcher)]
+        return [n for n in nodes if m.matches(n, matcher)]
 
     def shared(self, key: Any, build: Callable[["FileContext"], Any]) -> Any:
         """A per-file analysis, built once however many rules ask for it."""
@@ -372,12 +415,14 @@ def process(
         ctx = FileContext(module, path, text, names_factory(module), options)
         ctx.fixing = set(fix)
         ctx.reports.extend(early)
+        token = CURRENT.set(ctx)
         active = [rule(ctx) for rule in rules if _applies(rule, text)]
         new_module = module.visit(_Dispatch(ctx, active)) if active else module
         if ctx.fixing:
             for finish in ctx.finishers:
                 new_module = finish(new_module)
             new_module = _edit_imports(ctx, new_module)
+        CURRENT.reset(token)
         result.findings = _findings(ctx)
         new_source = new_module.bytes if ctx.fixing else parsed_source
         if new_source != source and ctx.fixing:
