@@ -19,24 +19,6 @@ from gpumigrate.rewriter.engine import process
 from gpumigrate.rewriter.names import ImportTable
 from tests.conftest import lint
 
-EXAMPLES = [
-    pytest.param(rule, example, id=f"{rule.code}-{type(example).__name__.lower()}-{i}")
-    for rule in LINT_ONLY_RULES
-    for i, example in enumerate(rule.examples)
-]
-
-
-@pytest.mark.parametrize("rule, example", EXAMPLES)
-def test_example(rule, example):
-    result = lint(example.code.encode(), [rule])
-    assert result.error is None
-    codes = [f.code for f in result.findings]
-    if isinstance(example, Clean):
-        assert rule.code not in codes
-    else:
-        assert rule.code in codes
-
-
 @pytest.mark.parametrize("rule", LINT_ONLY_RULES, ids=lambda r: r.code)
 def test_rule_contract(rule):
     docs = rule.docs()

@@ -657,7 +657,23 @@ def _loop_of(stmt: cst.CSTNode) -> Optional[cst.For]:
     return None
 
 
-class UnreducedMetric(Rule):
+class _BlockRule(Rule):
+    """A rule that rewrites whole statement lists (module and indented blocks) at once,
+    after their statements are done: to insert after a loop, or to group statements."""
+
+    def _block(self, original_body, updated_body):
+        raise NotImplementedError
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock):
+        body = self._block(original.body, updated.body)
+        return updated.with_changes(body=body) if body is not None else None
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module):
+        body = self._block(original.body, updated.body)
+        return updated.with_changes(body=body) if body is not None else None
+
+
+class UnreducedMetric(_BlockRule):
     """
     ## What it does
     Sums evaluation metrics over the ranks after an evaluation loop over a sharded loader
@@ -722,6 +738,9 @@ class UnreducedMetric(Rule):
                                            in ("torch.zeros", "torch.zeros_like"))}
 
     def _block(self, original_body, updated_body):
+        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+        if isinstance(parent, cst.With) and _loop_of(parent) is not None:
+            return None  # `with no_grad(): for ...`: the reduction goes after the `with`
         out, changed = [], False
         originals = [_loop_of(s) for s in original_body]
         for i, stmt in enumerate(updated_body):
@@ -749,16 +768,6 @@ class UnreducedMetric(Rule):
             changed = True
         return out if changed else None
 
-    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock):
-        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
-        if isinstance(parent, cst.With) and _loop_of(parent) is not None:
-            return None  # `with no_grad(): for ...`: the reduction goes after the `with`
-        body = self._block(original.body, updated.body)
-        return updated.with_changes(body=body) if body is not None else None
-
-    def leave_Module(self, original: cst.Module, updated: cst.Module):
-        body = self._block(original.body, updated.body)
-        return updated.with_changes(body=body) if body is not None else None
 
 
 class BatchNormWithoutSync(Rule):
@@ -942,7 +951,7 @@ _UNSAFE_METHODS = re.compile(r"^(train|test|eval|evaluate|validate|step|backward
 _LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 
 
-class RankZeroOutput(Rule):
+class RankZeroOutput(_BlockRule):
     """
     ## What it does
     Runs printing, logging and TensorBoard writing on rank 0 only, and turns progress bars
@@ -1050,13 +1059,6 @@ class RankZeroOutput(Rule):
                 out.append(stmt)
         return out if changed and self.fixing else None
 
-    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock):
-        body = self._block(original.body, updated.body)
-        return updated.with_changes(body=body) if body is not None else None
-
-    def leave_Module(self, original: cst.Module, updated: cst.Module):
-        body = self._block(original.body, updated.body)
-        return updated.with_changes(body=body) if body is not None else None
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         qualified = self.qualify(original.func) or ""

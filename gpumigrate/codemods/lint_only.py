@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import ClassVar, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple, Union
+from typing import Dict, FrozenSet, Iterator, List, Optional, Set, Tuple, Union
 
 import libcst as cst
 
@@ -399,8 +399,7 @@ class DiscardedMove(Rule):
     code = "GM104"
     name = "discarded-move"
     message = "`Tensor.to()` returns a new tensor; the result is discarded"
-    fixed_in = frozenset()
-    reported_in: ClassVar[FrozenSet[str]] = frozenset({"device"})
+    reported_in = frozenset({"device"})
     triggers = (".to", ".cuda", ".cpu")
     examples = (
         Flagged("for data, target in train_loader:\n    data.to(device)\n    output = model(data)\n"),
@@ -475,8 +474,6 @@ class DataAttribute(Rule):
     code = "GM204"
     name = "data-attribute"
     message = "`.data` bypasses autograd; use `.detach()` to read, `with torch.no_grad():` to update"
-    fixed_in = frozenset()
-    reported_in: ClassVar[FrozenSet[str]] = frozenset()
     triggers = (".data",)
     examples = (
         Flagged("for p in model.parameters():\n    p.data.add_(p.grad.data, alpha=-lr)\n"),
@@ -628,8 +625,7 @@ class EmptyCacheInLoop(Rule):
     code = "GM304"
     name = "empty-cache-in-loop"
     message = "`empty_cache()` in a loop syncs the GPU and frees the allocator's cache every iteration"
-    fixed_in = frozenset()
-    reported_in: ClassVar[FrozenSet[str]] = frozenset({"device"})
+    reported_in = frozenset({"device"})
     triggers = ("empty_cache",)
     examples = (
         Flagged("import torch\nfor x, y in loader:\n    loss = step(x, y)\n    torch.cuda.empty_cache()\n"),
@@ -728,8 +724,7 @@ class OomRetryLeak(Rule):
     code = "GM306"
     name = "oom-retry-leak"
     message = "OOM handler retries while the failed step's tensors are alive"
-    fixed_in = frozenset()
-    reported_in: ClassVar[FrozenSet[str]] = frozenset({"device"})
+    reported_in = frozenset({"device"})
     triggers = ("except",)
     examples = (
         Flagged("for x, y in loader:\n    try:\n        out = model(x)\n        loss = crit(out, y)\n"
@@ -904,8 +899,6 @@ class LoaderNoWorkers(Rule):
     code = "GM601"
     name = "loader-no-workers"
     message = "training `DataLoader` loads batches in the training process; set `num_workers`"
-    fixed_in = frozenset()
-    reported_in: ClassVar[FrozenSet[str]] = frozenset()
     triggers = ("DataLoader",)
     examples = (
         Flagged("from torch.utils.data import DataLoader\ntrain_loader = DataLoader(ds, batch_size=32, shuffle=True)\n"),
@@ -1000,8 +993,6 @@ class LoaderNoPinMemory(Rule):
     code = "GM602"
     name = "loader-no-pin-memory"
     message = "`DataLoader` without `pin_memory` in a script that copies batches to the GPU"
-    fixed_in = frozenset()
-    reported_in: ClassVar[FrozenSet[str]] = frozenset()
     triggers = ("DataLoader",)
     examples = (
         Flagged("from torch.utils.data import DataLoader\nloader = DataLoader(ds, batch_size=64)\n"
@@ -1079,8 +1070,7 @@ class HostDeviceRoundtrip(Rule):
     code = "GM603"
     name = "host-device-roundtrip"
     message = "tensor moved to the host and back to the device inside a loop"
-    fixed_in = frozenset()
-    reported_in: ClassVar[FrozenSet[str]] = frozenset({"device"})
+    reported_in = frozenset({"device"})
     triggers = ("cpu",)
     examples = (
         Flagged("for x in loader:\n    y = model(x).cpu()\n    z = y.cuda()\n"),
