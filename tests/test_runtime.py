@@ -74,3 +74,78 @@ def test_public_names_are_typed_and_documented():
     for name in runtime.__all__:
         obj = getattr(runtime, name)
         assert obj.__doc__, name
+
+
+def test_keep_batchnorm_fp32_on_a_half_model():
+    from torch import nn
+
+    from gpumigrate.runtime import keep_batchnorm_fp32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    model.half()
+    assert keep_batchnorm_fp32(model) is model
+    keep_batchnorm_fp32(model)  # a second call adds nothing
+    bn = model[1]
+    assert bn.weight.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    assert len(bn._forward_pre_hooks) == 1 and len(bn._forward_hooks) == 1
+    x = torch.randn(8, 1, 6, 6).half()
+    out = model(x)
+    assert out.dtype == torch.float16  # the layers around BatchNorm still run in half
+    out.float().sum().backward()
+    assert bn.weight.grad.dtype == torch.float32
+    assert bn.running_mean.dtype == torch.float32 and bn.running_mean.abs().sum() > 0
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, None),
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, (3, 1, 4)),
+    ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8",
+      "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, (5, 1, 8)),
+    # `python train.py` inside an sbatch job of 8 tasks is one process
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, None),
+])
+def test_launch_environment(monkeypatch, env, expected):
+    from gpumigrate.runtime import distributed
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+                 "SLURM_STEP_NUM_TASKS", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    launch = distributed._launch()
+    assert (tuple(launch) if launch else None) == expected
+
+
+def test_srun_without_master_address_is_one_clear_error(monkeypatch):
+    from gpumigrate.runtime import distributed
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR"):
+        distributed._launch()
+
+
+def test_single_process_helpers_do_not_communicate(monkeypatch):
+    from torch.utils.data import RandomSampler, TensorDataset
+
+    from gpumigrate import runtime
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    model = torch.nn.Linear(2, 2)
+    assert runtime.wrap_model(model) is model and runtime.unwrap_model(model) is model
+    data = TensorDataset(torch.arange(5))
+    assert isinstance(runtime.distributed_sampler(data), RandomSampler)
+    assert runtime.distributed_sampler(data, shuffle=False) is None
+    assert runtime.reduce_sum(3, 2.5) == (3, 2.5) and runtime.reduce_sum(7) == 7
+    assert runtime.broadcast_object({"a": 1}) == {"a": 1}
+    assert runtime.is_main_process() and runtime.get_world_size() == 1
+
+
+def test_helpers_refuse_to_run_before_setup(monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    from gpumigrate import runtime
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="setup_distributed"):
+        runtime.distributed_sampler(TensorDataset(torch.arange(4)))

@@ -176,6 +176,14 @@ class DdpSetup(Rule):
         if self.fixing:
             plan = device_plan(self.ctx)
             plan.require_definition()
+            if plan.multi_index:
+                self.report(node.body[0] if node.body else node, "modules on several devices (model parallelism): each is "
+                            "wrapped without device_ids, and the devices per process are the script's", review=True)
+            seeds = [c for c in findall(node, m.Call()) if self.qualify(c.func) in ("torch.manual_seed", "random.seed",
+                                                                                     "numpy.random.seed")]
+            if seeds:
+                self.report(seeds[0], "every rank seeds the same: random augmentation and dropout repeat across "
+                                      "ranks; add get_rank() to the seed if they should differ", review=True)
             if plan.ignored_flag is not None:
                 self.report(plan.ignored_flag.stmt, f"`{plan.ignored_flag.code}` is decided where the device cannot "
                             f"see it: pass `setup_distributed(use_accelerator={plan.ignored_flag.code})` by hand "
