@@ -237,7 +237,11 @@ class DevicePlan:
     def distributed(self) -> bool:
         """The ddp migration: the device comes from `setup_distributed()`, which also joins
         the process group (GM400 is the DDP set-up rule)."""
-        return "GM400" in self.ctx.fixing
+        if "GM400" not in self.ctx.fixing:
+            return False
+        from gpumigrate.codemods.distributed import training_script  # the ddp rules build on this module
+
+        return training_script(self.ctx)
 
     def definition_value(self, index: Optional[int] = None) -> cst.BaseExpression:
         flag = self.flag.expr.deep_clone() if self.flag is not None else None
@@ -272,10 +276,14 @@ class DevicePlan:
             return cst.Call(func=cst.Name("get_device"), args=args)
         if self.ctx.names.qualify(d.call.func) == f"{RUNTIME}.setup_distributed":
             return None
+        first = get_arg(d.call, "type", 0)
+        chooses = first is not None and isinstance(first.value, cst.IfExp) and all(
+            literal_str(b) is not None for b in (first.value.body, first.value.orelse))
+        if not (d.hardcoded or chooses or self.ctx.names.qualify(d.call.func) == f"{RUNTIME}.get_device"):
+            return None  # torch.device(args.device), torch.device(kind, i): the user's own choice
         self.ctx.add_import(RUNTIME, "setup_distributed")
         args = []
-        first = get_arg(d.call, "type", 0)
-        test = first.value.test if first is not None and isinstance(first.value, cst.IfExp) else None
+        test = first.value.test if chooses else None
         if test is not None and not findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available")))):
             args = [keyword_arg("use_accelerator", test.deep_clone())]
         return cst.Call(func=cst.Name("setup_distributed"), args=args)

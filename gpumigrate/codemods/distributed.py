@@ -130,6 +130,28 @@ def ddp_analysis(ctx) -> DdpAnalysis:
     return ctx.shared("ddp-analysis", _build)
 
 
+def training_script(ctx) -> bool:
+    """Is this file a script (it trains, or runs code at module level) rather than a module
+    that scripts import? The ddp migration rewrites scripts, never the libraries they use."""
+    return ctx.shared("training-script", _is_script)
+
+
+def _is_script(ctx) -> bool:
+    analysis = ddp_analysis(ctx)
+    if analysis.models or analysis.loaders:
+        return True
+    for stmt in ctx.module.body:
+        if isinstance(stmt, (cst.For, cst.While, cst.With)):
+            return True
+        if isinstance(stmt, cst.If) and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
+            return True
+        if isinstance(stmt, cst.SimpleStatementLine) and any(
+                m.matches(s, m.Expr(m.Call(func=m.Name("print"))) | m.Assign(value=m.Call(
+                    func=m.Attribute(attr=m.Name("parse_args"))))) for s in stmt.body):
+            return True  # prints or parses its command line at module level: a script
+    return False
+
+
 class DdpSetup(Rule):
     """
     ## What it does
@@ -173,7 +195,8 @@ class DdpSetup(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.analysis = ddp_analysis(self.ctx)
-        if self.fixing:
+        # only training scripts join a process group, not the modules they import
+        if self.fixing and (self.analysis.models or self.analysis.loaders):
             plan = device_plan(self.ctx)
             plan.require_definition()
             if plan.multi_index:
@@ -542,9 +565,9 @@ class CheckpointEveryRank(Rule):
     triggers = ("save",)
     examples = (
         Flagged(
-            "import torch\ntorch.save(state, 'ckpt.pt')\n",
-            fixed="import torch\nfrom gpumigrate.runtime import is_main_process\n\nif is_main_process():\n"
-            "    torch.save(state, 'ckpt.pt')\n",
+            "import torch\nfor epoch in range(3):\n    torch.save(state, 'ckpt.pt')\n",
+            fixed="import torch\nfrom gpumigrate.runtime import is_main_process\n\nfor epoch in range(3):\n"
+            "    if is_main_process():\n        torch.save(state, 'ckpt.pt')\n",
         ),
         Clean("import torch\nfrom gpumigrate.runtime import is_main_process\nif is_main_process():\n"
               "    torch.save(state, 'ckpt.pt')\n"),
@@ -561,7 +584,7 @@ class CheckpointEveryRank(Rule):
 
     def _wrap(self, original, updated):
         saves = self._saves(original)
-        if not saves or self._guarded():
+        if not saves or self._guarded() or not training_script(self.ctx):
             return None
         for save in saves:
             self.report(save)
@@ -747,6 +770,8 @@ class UnreducedMetric(_BlockRule):
 
     def _block(self, original_body, updated_body):
         parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+        if not training_script(self.ctx):
+            return None
         if isinstance(parent, cst.With) and _loop_of(parent) is not None:
             return None  # `with no_grad(): for ...`: the reduction goes after the `with`
         out, changed = [], False
@@ -1039,7 +1064,7 @@ class RankZeroOutput(_BlockRule):
 
     def _block(self, original_body, updated_body):
         parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
-        if _is_main_guard(parent, self.ctx.names):
+        if _is_main_guard(parent, self.ctx.names) or not training_script(self.ctx):
             return None
         for stmt in original_body:
             verdict = self._output(stmt)
@@ -1070,6 +1095,8 @@ class RankZeroOutput(_BlockRule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         qualified = self.qualify(original.func) or ""
+        if not qualified or not training_script(self.ctx):
+            return None
         if qualified in ("tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm") and get_arg(original, "disable") is None:
             self.report(original, "progress bar on every rank: shown on rank 0 only")
             test = cst.UnaryOperation(operator=cst.Not(), expression=_main_process_test(self.ctx))
@@ -1116,15 +1143,16 @@ class PerRankValue(Rule):
     triggers = ("tempfile", "uuid", "time", "datetime", "socket", "getpid")
     examples = (
         Flagged(
-            "import tempfile\nrun_dir = tempfile.mkdtemp()\n",
-            fixed="import tempfile\nfrom gpumigrate.runtime import broadcast_object\n\nrun_dir = broadcast_object(tempfile.mkdtemp())\n",
+            "import tempfile\nrun_dir = tempfile.mkdtemp()\nfor epoch in range(2):\n    save(run_dir, epoch)\n",
+            fixed="import tempfile\nfrom gpumigrate.runtime import broadcast_object\n\n"
+            "run_dir = broadcast_object(tempfile.mkdtemp())\nfor epoch in range(2):\n    save(run_dir, epoch)\n",
         ),
         Clean("import tempfile\nrun_dir = tempfile.gettempdir()\n"),
     )
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
         calls = [c for c in findall(original.value, m.Call()) if self.qualify(c.func) in _PER_RANK]
-        if not calls or m.matches(original.value, m.Call(func=m.Name("broadcast_object"))):
+        if not calls or not training_script(self.ctx) or m.matches(original.value, m.Call(func=m.Name("broadcast_object"))):
             return None
         if any(isinstance(a, (cst.For, cst.While)) for a in self.ctx.ancestors):
             self.report(original.value, "a value that differs per process, computed in a loop: make the ranks "

@@ -211,6 +211,13 @@ def calls_backward(node: cst.CSTNode) -> bool:
     return bool(findall(node, m.Call(func=m.Attribute(attr=m.Name("backward")))))
 
 
+def has_no_grad_decorator(func: cst.FunctionDef) -> bool:
+    """Spelled any way (the import may be one this run adds, unknown to the import table)."""
+    render = cst.Module(body=[]).code_for_node
+    return any(render(d.decorator).replace(" ", "").endswith(("no_grad()", "inference_mode()"))
+               for d in func.decorators)
+
+
 def no_grad_decorator(ctx) -> cst.Decorator:
     local = ctx.names.local_name_for("torch.no_grad")
     if local is None:
@@ -303,7 +310,7 @@ class VolatileFlag(Rule):
             self.statements.add(id(top))
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
-        if id(original) not in self.functions:
+        if id(original) not in self.functions or has_no_grad_decorator(updated):
             return None
         return updated.with_changes(decorators=[*updated.decorators, no_grad_decorator(self.ctx)])
 
@@ -547,6 +554,21 @@ _RENAMES = {
 }
 
 
+def _legacy_tensor_overload(call: cst.Call) -> bool:
+    """`p.data.add_(-lr, g)`, `exp_avg.mul_(b).add_(1 - b, g)`: a tensor's method with a
+    number first. Not `pattern.sub("", text)`: a string first, or a receiver that is not
+    visibly a tensor, is left alone."""
+    first = call.args[0].value
+    if isinstance(first, (cst.SimpleString, cst.FormattedString, cst.ConcatenatedString)):
+        return False
+    receiver = call.func.value
+    method = call.func.attr.value
+    tensorish = (isinstance(receiver, cst.Attribute) and receiver.attr.value in ("data", "grad")) or \
+        (isinstance(receiver, cst.Call) and isinstance(receiver.func, cst.Attribute)
+         and receiver.func.attr.value.endswith("_"))
+    return tensorish or method.endswith("_")
+
+
 class DeprecatedOverload(Rule):
     """
     ## What it does
@@ -587,6 +609,7 @@ class DeprecatedOverload(Rule):
             fixed="import torch\ntorch.nn.utils.clip_grad_norm_(ps, 0.5)\n",
         ),
         Clean("import torch\nx.add_(y, alpha=2)\nz = torch.add(a, b)\n"),
+        Clean("import re\nclean = ansi_escape.sub('', text)\nn = counter.sub(1, 2)\n"),
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
@@ -597,14 +620,14 @@ class DeprecatedOverload(Rule):
             return updated.with_changes(func=updated.func.with_changes(attr=cst.Name(new)))
         positional = positional_args(updated)
         if qualified is None and is_method_call(original, *_ALPHA_METHODS) and len(positional) == 2 \
-                and len(updated.args) == 2:
+                and len(updated.args) == 2 and _legacy_tensor_overload(original):
             self.report(original, f"`{original.func.attr.value}(alpha, other)` is deprecated; use "
                                   f"`{original.func.attr.value}(other, alpha=alpha)`")
             alpha, other = updated.args
             return with_args(updated, [other.with_changes(comma=cst.MaybeSentinel.DEFAULT),
                                        keyword_arg("alpha", alpha.value)])
         if qualified is None and is_method_call(original, *_VALUE_METHODS) and len(positional) == 3 \
-                and len(updated.args) == 3:
+                and len(updated.args) == 3 and _legacy_tensor_overload(original):
             self.report(original, f"`{original.func.attr.value}(value, t1, t2)` is deprecated; use "
                                   f"`{original.func.attr.value}(t1, t2, value=value)`")
             value, t1, t2 = updated.args

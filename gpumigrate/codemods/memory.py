@@ -16,7 +16,13 @@ from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import RUNTIME
 from gpumigrate.codemods.graph import loss_analysis, scope_of
 from gpumigrate.codemods.helpers import findall, call_method, is_method_call
-from gpumigrate.codemods.legacy import calls_backward, no_grad_decorator, no_grad_with, under_no_grad
+from gpumigrate.codemods.legacy import (
+    calls_backward,
+    has_no_grad_decorator,
+    no_grad_decorator,
+    no_grad_with,
+    under_no_grad,
+)
 
 
 def _itemize(expr: cst.BaseExpression, is_loss) -> cst.BaseExpression:
@@ -272,19 +278,27 @@ class EvalWithoutNoGrad(Rule):
         named = bool(_EVAL_NAME.match(func.name.value))
         body = cst.IndentedBlock(body=_own_body(func))
         evals = _calls_eval(body)
-        if not (evals or (named and not method and findall(body, m.For() | m.Call(func=m.Name())))):
+        if not (evals or (named and not method and self._runs_a_model(func))):
             return False
         if named and not evals and func.name.value.startswith("test_") and findall(body, m.Assert()):
             return False  # a pytest test, not an evaluation
         return not calls_backward(func) and not _has_no_grad(self.ctx, func) and not _has_no_grad_block(self.ctx, body)
+
+    def _runs_a_model(self, func: cst.FunctionDef) -> bool:
+        """A name like `validate` is not enough (`validate_config()`): the function must take
+        a model or loop over batches."""
+        params = {p.name.value.lower() for p in (*func.params.params, *func.params.kwonly_params)}
+        if any("model" in p or p in ("net", "network", "encoder", "decoder") for p in params):
+            return True
+        code = self.ctx.module.code_for_node
+        return any(re.search(r"loader|batch|data", code(loop.iter), re.I) for loop in findall(func.body, m.For()))
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
         if id(original) not in self.functions:
             return None
         self.report(original.name, f"`{original.name.value}()` evaluates without `torch.no_grad()`; "
                                    "it builds graphs it never uses")
-        if any(m.matches(d.decorator, m.Call()) and self.qualify(d.decorator.func) == "torch.no_grad"
-               for d in updated.decorators):
+        if has_no_grad_decorator(updated):
             return None  # GM203 added it in this run
         return updated.with_changes(decorators=[*updated.decorators, no_grad_decorator(self.ctx)])
 

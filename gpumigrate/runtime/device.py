@@ -12,14 +12,16 @@ def _accelerator_count() -> int:
         return torch.cuda.device_count()
     return 0
 
-def get_device(index: Optional[int] = None) -> torch.device:
+def get_device(index: Union[int, torch.device, str, None] = None) -> torch.device:
     """The device to run on: CUDA, then Apple's MPS, then the CPU.
 
     `index` picks the n-th GPU for model-parallel scripts (`encoder.cuda(0)`,
     `decoder.cuda(1)`); with fewer GPUs than asked for, indices wrap around, so a two-GPU
     script still runs on one. Without `index`, a process launched by torchrun (which sets
-    `LOCAL_RANK`) gets its own GPU.
+    `LOCAL_RANK`) gets its own GPU. A device (or its name) is returned as it is.
     """
+    if isinstance(index, (torch.device, str)):
+        return torch.device(index)  # `.cuda(some_device)` named its device already
     if torch.cuda.is_available():
         if index is None:
             index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
