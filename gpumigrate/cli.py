@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import click
 
@@ -89,7 +89,7 @@ def _migrate(files: Sequence[str], target: str, show_diff: bool, check: bool, ou
              quiet: bool, options: dict) -> List[FileResult]:
     results = []
     rules, fix = rules_for(target), fixed_codes(target)
-    for result in process_paths(files, rules, fix, options):
+    for result in process_paths(_progress(files, "migrating") if quiet else files, rules, fix, options):
         results.append(result)
         if result.error:
             _err(f"error: {result.error}")
@@ -181,7 +181,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
     for error in errors:
         _err(f"error: {error}")
     located, fixed, failed, files_with = [], 0, len(errors), set()
-    for path in files:
+    for path in _progress(files, "linting"):
         file_rules = _select(chosen, [*ignored, *_codes(config.ignored_for(path))]) if config.per_file_ignores else rules
         fix_codes = [r.code for r in file_rules if r.fixed_in] if fix else []
         result = process_path(path, file_rules, fix_codes)
@@ -232,6 +232,15 @@ def _lint_summary(located, fixed: int, files_with: int, files: int, fix: bool, s
     else:
         parts.append(f"no findings in {_plural(files, 'file')}")
     _err(", ".join(parts))
+
+
+def _progress(files: Sequence[str], label: str) -> Iterator[str]:
+    """A progress bar on a terminal, for runs long enough to want one."""
+    if len(files) < 50 or not sys.stderr.isatty():
+        yield from files
+        return
+    with click.progressbar(files, label=label, file=sys.stderr, show_pos=True) as bar:
+        yield from bar
 
 
 def _plural(n: int, word: str) -> str:
