@@ -264,9 +264,11 @@ def _summary(results: List[FileResult], changed: List[FileResult], failed: int, 
 def list_rules() -> None:
     """List every rule: code, name, and the targets that fix it."""
     width = max(len(r.name) for r in ALL_RULES)
-    for rule in ALL_RULES:
-        fix = ", ".join(sorted(rule.fixed_in)) or "lint"
-        click.echo(f"{rule.code}  {rule.name:<{width}}  {fix:<8}  {rule.message}")
+    click.echo(f"{'code':<6} {'name':<{width}}  {'fixed by':<9} message")
+    for rule in sorted(ALL_RULES, key=lambda r: r.code):
+        fix = ", ".join(sorted(rule.fixed_in)) or "lint only"
+        step = "" if rule.lint else " (a migration step; `lint` does not report it)"
+        click.echo(f"{rule.code:<6} {rule.name:<{width}}  {fix:<9} {rule.message}{step}")
 
 
 @main.command()

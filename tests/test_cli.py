@@ -161,6 +161,9 @@ def test_review_items_are_listed(run, tmp_script):
 def test_rules_and_explain(run):
     listing = run("rules").output
     assert "GM101  cuda-call" in listing and "GM205" in listing
+    codes = [line.split()[0] for line in listing.splitlines()[1:]]
+    assert codes == sorted(codes) and len(codes) == len(set(codes))
+    assert "GM603  host-device-roundtrip" in listing and "lint only" in listing
     explained = run("explain", "GM201")
     assert explained.exit_code == 0
     assert "## Why is this bad?" in explained.output and "loss.data[0]" in explained.output
