@@ -18,7 +18,18 @@ import libcst.matchers as m
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import RUNTIME, device_plan
 from gpumigrate.codemods.memory import _EVAL_NAME, _calls_eval
-from gpumigrate.codemods.helpers import findall, get_arg, is_method_call, keyword_arg, literal_bool, literal_str, remove_statement, same_code, with_args
+from gpumigrate.codemods.helpers import (
+    enclosing,
+    findall,
+    get_arg,
+    is_method_call,
+    keyword_arg,
+    literal_bool,
+    literal_str,
+    remove_statement,
+    same_code,
+    with_args,
+)
 
 DATALOADER = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
 DATA_PARALLEL = ("torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
@@ -483,7 +494,7 @@ class DistributedSamplerRule(Rule):
     def _loaders_in_scope(self, loop: cst.For) -> List[str]:
         """Training loaders this epoch loop can see: module-level ones, or ones its own
         function builds (not inside the loop: a loader rebuilt each epoch needs no set_epoch)."""
-        func = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), None)
+        func = enclosing(self.ctx.ancestors, cst.FunctionDef)
         out = []
         for name, kind in sorted(self.analysis.loaders.items()):
             assign = m.Assign(targets=[m.AssignTarget(m.Name(name))])
@@ -751,7 +762,7 @@ class UnreducedMetric(_BlockRule):
     def _eval_loop(self, loop: Optional[cst.For]) -> bool:
         if loop is None:
             return False
-        func = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), None)
+        func = enclosing(self.ctx.ancestors, cst.FunctionDef)
         in_evaluation = func is not None and (bool(_EVAL_NAME.match(func.name.value)) or _calls_eval(func))
         for name in findall(loop.iter, m.Name()):
             if in_evaluation and "loader" in name.value and not _TRAIN_LOADER.search(name.value):
@@ -763,7 +774,7 @@ class UnreducedMetric(_BlockRule):
         return False
 
     def _initialised(self) -> Set[str]:
-        scope = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), self.ctx.module)
+        scope = enclosing(self.ctx.ancestors, cst.FunctionDef) or self.ctx.module
         return {a.targets[0].target.value for a in findall(scope, m.Assign(targets=[m.AssignTarget(m.Name())]))
                 if _is_number(a.value) or (isinstance(a.value, cst.Call) and (self.qualify(a.value.func) or "")
                                            in ("torch.zeros", "torch.zeros_like"))}

@@ -41,11 +41,6 @@ def is_method_call(node: cst.CSTNode, *names: str) -> bool:
     )
 
 
-def method_receiver(call: cst.Call) -> cst.BaseExpression:
-    assert isinstance(call.func, cst.Attribute)
-    return call.func.value
-
-
 def literal_int(node: Optional[cst.BaseExpression]) -> Optional[int]:
     if isinstance(node, cst.Integer):
         return int(node.evaluated_value)
@@ -113,12 +108,6 @@ def walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
         yield current
         stack.extend(reversed(current.children))
 
-
-def strip_parens(node: cst.BaseExpression) -> cst.BaseExpression:
-    return node.with_changes(lpar=[], rpar=[]) if getattr(node, "lpar", None) else node
-
-
-CALL_WITH_ATTR = m.Call(func=m.Attribute())
 
 
 def remove_statement(ctx, line: cst.SimpleStatementLine):

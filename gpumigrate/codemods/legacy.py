@@ -17,6 +17,7 @@ import libcst.matchers as m
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.graph import loss_analysis, scope_of
 from gpumigrate.codemods.helpers import (
+    enclosing,
     findall,
     call_method,
     get_arg,
@@ -297,7 +298,7 @@ class VolatileFlag(Rule):
         if under_no_grad(self.ctx, self.ctx.ancestors):
             self.report(node, "`volatile=True` has no effect since torch 0.4 (already under no_grad here)")
             return
-        func = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.FunctionDef)), None)
+        func = enclosing(self.ctx.ancestors, cst.FunctionDef)
         if func is not None and calls_backward(func):
             self.report(node, "`volatile=True` has no effect; this function also trains: wrap its "
                               "evaluation part in `with torch.no_grad():`", review=True)

@@ -14,7 +14,7 @@ from typing import Dict, FrozenSet, Iterator, List, Optional, Set, Tuple, Union
 import libcst as cst
 
 from gpumigrate.codemods.base import Clean, Flagged, Rule
-from gpumigrate.codemods.helpers import get_arg, is_method_call, literal_int, literal_str, walk
+from gpumigrate.codemods.helpers import enclosing, get_arg, is_method_call, literal_int, literal_str, walk
 from gpumigrate.rewriter.engine import FileContext
 
 # What a name holds. NEUTRAL: a rebinding that keeps the kind (`x = x.to(device)`).
@@ -491,7 +491,7 @@ class DataAttribute(Rule):
         self.covered: Set[int] = set()  # statements with a reported update: their `.data` reads are part of it
 
     def _cover(self) -> None:
-        statement = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.BaseSmallStatement)), None)
+        statement = enclosing(self.ctx.ancestors, cst.BaseSmallStatement)
         if statement is not None:
             self.covered.add(id(statement))
 
