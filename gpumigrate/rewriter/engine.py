@@ -90,6 +90,14 @@ class _NodeIndex(cst.CSTVisitor):
     def on_leave(self, original_node: cst.CSTNode) -> None:
         self.end[id(original_node)] = len(self.order)
 
+    # LibCST looks up a `visit_<Node>_<field>` hook for every field of every node; no one
+    # here defines such hooks, and skipping the lookups saves a tenth of a traversal.
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        pass
+
 
 # The file being processed, so that shared helpers can use its node index.
 CURRENT: "contextvars.ContextVar[Optional[FileContext]]" = contextvars.ContextVar("gpumigrate_file", default=None)
@@ -256,6 +264,12 @@ class _Dispatch(cst.CSTTransformer):
                     self.visits[attr[6:]].append(getattr(rule, attr))
                 elif attr.startswith("leave_") and attr.count("_") == 1:
                     self.leaves[attr[6:]].append((rule, getattr(rule, attr)))
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        pass  # no rule has field hooks: see _NodeIndex
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        pass
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         self.ctx.ancestors.append(node)
