@@ -798,7 +798,8 @@ class UnreducedMetric(_BlockRule):
                 name = aug.target.value if isinstance(aug.target, cst.Name) else aug.target.value.value
                 if name not in accumulators:
                     accumulators.append(name)
-            wanted = [n for n in accumulators if n in self._initialised()]
+            initialised = self._initialised()
+            wanted = [n for n in accumulators if n in initialised]
             following = updated_body[i + 1] if i + 1 < len(updated_body) else None
             if not wanted or (following is not None and findall(following, m.Call(func=m.Name("reduce_sum")))):
                 continue

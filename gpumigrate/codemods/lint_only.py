@@ -337,21 +337,13 @@ def _to_target(call: cst.Call) -> Optional[cst.BaseExpression]:
     return arg.value if arg is not None else None
 
 
-def _moves_to_gpu(call: cst.Call, qualify) -> bool:
-    if is_method_call(call, "cuda"):
+def _moves_to(call: cst.Call, qualify, kind: str) -> bool:
+    """`.cuda()` / `.cpu()`, or `.to(<a device of this kind>)`; kind is "gpu" or "cpu"."""
+    if is_method_call(call, "cuda" if kind == "gpu" else "cpu"):
         return True
     if is_method_call(call, "to"):
         target = _to_target(call)
-        return target is not None and _device_kind(target, qualify) == "gpu"
-    return False
-
-
-def _moves_to_host(call: cst.Call, qualify) -> bool:
-    if is_method_call(call, "cpu"):
-        return True
-    if is_method_call(call, "to"):
-        target = _to_target(call)
-        return target is not None and _device_kind(target, qualify) == "cpu"
+        return target is not None and _device_kind(target, qualify) == kind
     return False
 
 
@@ -1013,7 +1005,7 @@ class LoaderNoPinMemory(Rule):
         self.gpu = False
 
     def visit_Call(self, node: cst.Call) -> None:
-        if not self.gpu and (_moves_to_gpu(node, self.qualify) or any(
+        if not self.gpu and (_moves_to(node, self.qualify, "gpu") or any(
                 a.keyword is not None and a.keyword.value == "non_blocking" and _is_true(a.value) for a in node.args)):
             self.gpu = True
         if _dataloader_call(self, node) and get_arg(node, "pin_memory", 7) is None:
@@ -1148,7 +1140,7 @@ class HostDeviceRoundtrip(Rule):
         moved, node = None, expr
         while True:
             if isinstance(node, cst.Call):
-                if moved is None and _moves_to_host(node, self.qualify):
+                if moved is None and _moves_to(node, self.qualify, "cpu"):
                     moved = node
                 if self.qualify(node.func) in _FROM_HOST and node.args:
                     node = node.args[0].value
@@ -1168,7 +1160,7 @@ class HostDeviceRoundtrip(Rule):
         return analysis.of_name(name, analysis.scope_at(self.ctx.ancestors)) == MODULE
 
     def visit_Call(self, node: cst.Call) -> None:
-        if not _moves_to_gpu(node, self.qualify) or _loop_of(self.ctx.ancestors) is None:
+        if not _moves_to(node, self.qualify, "gpu") or _loop_of(self.ctx.ancestors) is None:
             return
         moved, root = self._chain(node.func.value)
         if root is not None and self._module(root):
