@@ -9,7 +9,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import click
 
 from gpumigrate import __version__
-from gpumigrate.codemods import ALL_RULES, RULES_BY_CODE, TARGETS, fixed_codes, rules_for, select
+from gpumigrate.codemods import ALL_RULES, RULES_BY_CODE, TARGETS, fixed_codes, rules_for
+from gpumigrate.codemods import select as select_rules  # `select` is also lint's --select
 from gpumigrate.codemods.base import Clean, Flagged
 from gpumigrate.config import Config, ConfigError, load_config
 from gpumigrate.rewriter import report
@@ -176,13 +177,13 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
     # An explicit --select replaces the configuration's choice, ignores included.
     chosen = _codes(select) or _codes(config.select)
     ignored = _codes(ignore) if select else [*_codes(config.ignore), *_codes(ignore)]
-    rules = _select(chosen, ignored)
+    rules = select_rules(chosen, ignored)
     files, errors = discover(paths, (*config.exclude, *exclude))
     for error in errors:
         _err(f"error: {error}")
     located, fixed, failed, files_with = [], 0, len(errors), set()
     for path in _progress(files, "linting"):
-        file_rules = _select(chosen, [*ignored, *_codes(config.ignored_for(path))]) if config.per_file_ignores else rules
+        file_rules = select_rules(chosen, [*ignored, *_codes(config.ignored_for(path))]) if config.per_file_ignores else rules
         fix_codes = [r.code for r in file_rules if r.fixed_in] if fix else []
         result = process_path(path, file_rules, fix_codes)
         if result.error:
@@ -215,10 +216,6 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         click.echo(report.as_text(located), nl=False)
     _lint_summary(located, fixed, len(files_with), len(files), fix, show_diff)
     sys.exit(EXIT_ERROR if failed else EXIT_CHANGES if located else EXIT_OK)
-
-
-def _select(chosen: Sequence[str], ignored: Sequence[str]):
-    return select(list(chosen), list(ignored))
 
 
 def _lint_summary(located, fixed: int, files_with: int, files: int, fix: bool, show_diff: bool) -> None:

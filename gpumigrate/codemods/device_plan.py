@@ -209,7 +209,6 @@ class DevicePlan:
     flag: Optional[Flag] = None  # the definition honours this flag
     ignored_flag: Optional[Flag] = None  # a flag the definition could not see
     multi_index: bool = False  # model parallelism: keep `.cuda(n)` placements
-    hardcoded_defs: List[DeviceDef] = field(default_factory=list)
     defs: List[DeviceDef] = field(default_factory=list)
     guard_flags: Set[str] = field(default_factory=set)  # `if <flag>:` guards safe to drop
     _registered: bool = False
@@ -378,7 +377,6 @@ def _build(ctx: FileContext) -> DevicePlan:
     plan = DevicePlan(ctx)
     literal = scanner.indices | {s.index for s in scanner.sites if s.index is not None}
     plan.multi_index = len(literal) > 1
-    plan.hardcoded_defs = [d for d in scanner.defs if d.hardcoded]
     plan.defs = list(scanner.defs)
     # `.cuda(i)` with a non-literal index, or any index under model parallelism, becomes
     # `get_device(i)`; every other site refers to the one device variable.
