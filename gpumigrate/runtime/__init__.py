@@ -17,7 +17,9 @@ from gpumigrate.runtime.distributed import (
     reduce_sum,
     set_epoch,
     setup_distributed,
+    shard_length,
     unwrap_model,
+    without_module_prefix,
     wrap_model,
 )
 from gpumigrate.runtime.precision import keep_batchnorm_fp32
@@ -36,7 +38,9 @@ __all__ = [
     "reduce_sum",
     "set_epoch",
     "setup_distributed",
+    "shard_length",
     "tensor_type",
     "unwrap_model",
+    "without_module_prefix",
     "wrap_model",
 ]

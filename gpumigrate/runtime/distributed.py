@@ -2,15 +2,19 @@
 
 Every helper is a no-op (or the plain single-process behaviour) when the script was not
 launched by torchrun or srun, so a rewritten script runs unchanged as `python train.py`.
-None adds a synchronisation per training step; only `reduce_sum`/`reduce_mean`/`barrier`
-communicate, and only when called.
+None adds a synchronisation per training step; only `reduce_sum`/`reduce_mean`/`barrier`/
+`broadcast_object` communicate, and only when called.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import multiprocessing
 import os
-from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
+import pickle
+import time
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -58,17 +62,24 @@ def is_distributed() -> bool:
     return False
 
 
+_cleanup_registered = False  # cleanup_distributed is registered with atexit
+
+
 def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = None) -> torch.device:
     """Join the process group if launched by torchrun (any --nnodes) or srun; return this
     process's device.
 
     Each process binds its own GPU (`LOCAL_RANK`) before anything is allocated, so nothing
-    lands on GPU 0 by accident. The backend is NCCL on CUDA, gloo otherwise. The group is
-    destroyed at exit, also when training raises. Without a launcher this is `get_device()`.
-    `use_accelerator=False` (a script's `--no-cuda`) keeps every process on the CPU.
+    lands on GPU 0 by accident. On CUDA the group takes NCCL for GPU tensors and gloo for CPU
+    ones (a script whose own `--no-cuda` flag keeps the model on the CPU still works), gloo
+    elsewhere. The group is destroyed at exit, also when training raises. Without a launcher
+    this is `get_device()`. `use_accelerator=False` keeps every process on the CPU.
+
+    Called at a script's top level, it is safe in DataLoader worker processes (which import
+    the script again under the `spawn` start method): they do not join the group.
     """
     launch = _launch()
-    if launch is None or launch.world_size == 1:
+    if launch is None or launch.world_size == 1 or multiprocessing.parent_process() is not None:
         return get_device() if use_accelerator else torch.device("cpu")
     if use_accelerator and torch.cuda.is_available():
         device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
@@ -77,19 +88,89 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
         device = torch.device("cpu")  # gloo works on CPU tensors; MPS has no collective backend
     if not dist.is_initialized():
         dist.init_process_group(
-            backend or ("nccl" if device.type == "cuda" else "gloo"),
+            backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"),
             init_method="env://",
             rank=launch.rank,
             world_size=launch.world_size,
         )
+    global _cleanup_registered
+    if not _cleanup_registered:  # once, also for a group the script created itself
         atexit.register(cleanup_distributed)
+        _cleanup_registered = True
     return device
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group (safe to call twice, or without one)."""
+    """Leave the process group (safe to call twice, or without one).
+
+    Then waits (milliseconds) until torch's gloo threads have let go of the tensors of the
+    last collectives, so that the process can exit cleanly: see `_settle_gloo_threads`."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _settle_gloo_threads()
+
+
+# Why a gloo process can abort after its script has finished ("terminate called without an
+# active exception", SIGABRT, exit status -6), with or without destroy_process_group():
+#
+# gloo runs each collective on a worker thread ("pt_gloo_runloop"), which drops the work, and
+# with it the tensors, just after the collective completes. torch keeps a tensor's Python
+# object alive while C++ also holds the tensor, so that drop decrefs a Python object and needs
+# the GIL. The main thread, woken by the completion, has usually taken the GIL back by then;
+# the worker gets it when the main thread next releases it (blocking calls, I/O, or after
+# CPython's 5 ms switch interval). If instead the interpreter starts finalizing first (the
+# script ends within milliseconds of its last collective, or the worker was descheduled on a
+# busy machine), CPython ends the waiting thread with pthread_exit(), whose unwinding through
+# the work's noexcept destructor calls std::terminate. destroy_process_group() helps only when
+# it frees the group: the group's destructor releases the GIL and joins the workers. A DDP
+# model (or any reference to the group) keeps the group and its threads alive to the end.
+# So cleanup_distributed, run at exit while the interpreter is intact, releases the GIL until
+# the workers are idle.
+
+
+def _gloo_thread_states() -> Optional[Tuple[Tuple[str, str, int], ...]]:
+    """(thread id, scheduler state, context switches) of each gloo worker thread of this
+    process, from /proc; None where there is no /proc (not Linux)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("pt_gloo"):
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        except OSError:  # the thread has just ended
+            continue
+        switches = int(status.get("voluntary_ctxt_switches", 0)) + int(status.get("nonvoluntary_ctxt_switches", 0))
+        states.append((tid, status.get("State", "?").split()[0], switches))
+    return tuple(sorted(states))
+
+
+def _settle_gloo_threads(interval: float = 0.012, timeout: float = 2.0) -> None:
+    """Release the GIL until every gloo worker thread is idle, so none is left waiting for
+    the GIL when the interpreter finalizes (see the comment above).
+
+    While this sleeps the GIL is free, so a worker waiting for it takes it at once, drops its
+    tensors and goes back to waiting for work. Idle: not running, and not one context switch
+    over a whole `interval` (a thread still on its way to the GIL, or holding it, switches).
+    One or two intervals in practice; never longer than `timeout`. Without /proc: one
+    interval of sleep.
+    """
+    before = _gloo_thread_states()
+    if before == ():
+        return  # no gloo threads (one process, NCCL, or the group was freed and joined)
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(interval)  # releases the GIL
+        after = _gloo_thread_states()
+        running = after is not None and any(state == "R" for _, state, _ in after)
+        if (after == before and not running) or after == () or time.monotonic() > deadline:
+            return
+        before = after
 
 
 def get_rank() -> int:
@@ -127,6 +208,8 @@ def wrap_model(
     """
     if not is_distributed() or isinstance(model, nn.parallel.DistributedDataParallel):
         return model
+    if not any(p.requires_grad for p in model.parameters()):
+        return model  # nothing to synchronise (DDP refuses such a module)
     devices = {p.device for p in model.parameters()}
     if sync_batchnorm and all(d.type == "cuda" for d in devices):
         # SyncBatchNorm works on GPU modules only; on CPU (gloo) BatchNorm stays per process
@@ -149,6 +232,34 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def without_module_prefix(state_dict: Any) -> Any:
+    """A state_dict saved from a DataParallel or DDP wrapper (`module.fc.weight`) as the plain
+    module's (`fc.weight`); any other state_dict, or object, is returned as it is."""
+    if not isinstance(state_dict, dict) or not state_dict:
+        return state_dict
+    keys = list(state_dict)
+    if not all(isinstance(k, str) and k.startswith("module.") for k in keys):
+        return state_dict
+    stripped = type(state_dict)() if isinstance(state_dict, dict) else {}
+    for key, value in state_dict.items():
+        stripped[key[len("module."):]] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        stripped._metadata = type(metadata)((k[len("module."):] if k.startswith("module.") else k, v)
+                                            for k, v in metadata.items())
+    return stripped
+
+
+def shard_length(dataset: Any) -> int:
+    """How many samples of `dataset` this rank trains on per epoch: what `len(dataset)` was
+    in one process. A padded DistributedSampler gives each of N ranks ceil(len / N)."""
+    total = len(dataset)
+    if not is_distributed():
+        return total
+    world = get_world_size()
+    return (total + world - 1) // world
+
+
 class _Shard(Sampler):
     """Every rank_th index, without padding: each sample is evaluated exactly once."""
 
@@ -163,7 +274,8 @@ class _Shard(Sampler):
 
 
 def distributed_sampler(
-    dataset: Dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, pad: bool = True
+    dataset: Dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, pad: bool = True,
+    shard: bool = True,
 ) -> Optional[Sampler]:
     """The sampler a DataLoader needs to give each rank its own part of `dataset`.
 
@@ -172,9 +284,11 @@ def distributed_sampler(
     the same on every rank, not `torch.manual_seed`). Evaluation (`pad=False`): a plain,
     unshuffled shard, so no sample is counted twice; shards differ in size by at most one,
     so sum the metrics with `reduce_sum` (a `reduce_mean` of per-rank means is biased).
-    In one process: what `DataLoader(shuffle=...)` would use, so results do not change.
+    `shard=False`: every rank takes the whole dataset (a loader factory's evaluation loader
+    whose metrics are not sums). In one process, or unsharded: what `DataLoader(shuffle=...)`
+    would use, so results do not change.
     """
-    if not is_distributed():
+    if not shard or not is_distributed():
         return RandomSampler(dataset) if shuffle else None
     if not pad:
         return _Shard(dataset, get_rank(), get_world_size())
@@ -187,17 +301,57 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     In one process it returns `obj`."""
     if not is_distributed():
         return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
-    return holder[0]
+    # Pickled, then its length and its bytes as uint8 tensors: dist.broadcast_object_list
+    # needs numpy under gloo, which the runtime does not depend on.
+    device = _collective_device()
+    sending = get_rank() == src
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if sending else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    if sending:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src)
+    if sending:
+        return obj
+    data = data.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # the bytes, copied out
 
 
-def set_epoch(loader: Any, epoch: int) -> None:
-    """Tell a loader's DistributedSampler the epoch, so each epoch has a new order."""
+def _collective_device() -> torch.device:
+    """Where the tensors of a collective on the default group live: the CPU whenever the
+    backend takes CPU tensors (gloo, mpi, ucc, or a "cpu:gloo,cuda:nccl" pair), else the
+    current device of the one accelerator it supports (NCCL: this process's GPU)."""
+    capability = getattr(dist.Backend, "backend_capability", {"nccl": ["cuda"], "xccl": ["xpu"]})
+    devices = []
+    for part in str(dist.get_backend()).lower().split(","):
+        part = part.strip()
+        if ":" in part:  # "device:backend"
+            devices.append(part.split(":", 1)[0].strip())
+        elif part:
+            devices.extend(capability.get(part, ["cpu"]))
+    if not devices or "cpu" in devices:
+        return torch.device("cpu")
+    kind = devices[0]
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device"):
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def set_epoch(loader: Any, epoch: Optional[int] = None) -> None:
+    """Tell a loader's DistributedSampler the epoch, so each epoch has a new order.
+
+    Without `epoch` (iteration-based training that rebuilds `iter(loader)` when a pass ends)
+    each call starts the next epoch: 0, 1, 2, ..."""
     sampler = getattr(loader, "sampler", loader)
     batch_sampler = getattr(loader, "batch_sampler", None)
     for candidate in (sampler, getattr(batch_sampler, "sampler", None)):
         if hasattr(candidate, "set_epoch"):
+            if epoch is None:
+                epoch = getattr(candidate, "_gpumigrate_next_epoch", 0)
+            candidate._gpumigrate_next_epoch = epoch + 1
             candidate.set_epoch(epoch)
             return
 
@@ -212,7 +366,7 @@ def reduce_sum(*values: Number) -> Any:
     In one process it returns its arguments unchanged, without communicating."""
     if not is_distributed():
         return values[0] if len(values) == 1 else values
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _collective_device()
     flat = [torch.as_tensor(v, dtype=torch.float64).detach().to(device).reshape(-1) for v in values]
     packed = torch.cat(flat)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
