@@ -67,8 +67,8 @@ def test_existing_name_device_is_not_clobbered():
             print(device)
             return model.cuda()
         """)
-    assert "torch_device = get_device()" in out
-    assert "return model.to(torch_device)" in out
+    assert "device2 = get_device()" in out
+    assert "return model.to(device2)" in out
     assert "print(device)" in out
 
 

@@ -84,6 +84,7 @@ def test_output_that_would_not_compile_is_dropped(monkeypatch):
 
         def leave_Call(self, original, updated):
             if self.qualify(original.func) == "torch.ones":
+                self.report(original)
                 return cst.parse_expression("f(x=1, x=2)")  # parses, does not compile
             return None
 
@@ -132,3 +133,17 @@ def test_import_table_resolves_aliases():
     assert q("torch.distributed.init_process_group") == "torch.distributed.init_process_group"
     assert q("unknown.thing") is None
     assert names.local_name_for("torch.nn.functional.relu") == "nn.functional.relu"
+
+
+def test_an_unreported_edit_is_not_made():
+    # every edit rests on a finding; a tree that differs without one (a rule's slip, or LibCST
+    # printing a line differently) leaves the file as it was
+    class Silent(CudaCall):
+        code = "GM998"
+        triggers = ()
+
+        def leave_Call(self, original, updated):
+            return cst.parse_expression("g()") if self.qualify(original.func) == "torch.ones" else None
+
+    result = process(b"import torch\ny = torch.ones(1)\n", "s.py", [Silent], fix=["GM998"], names_factory=ImportTable)
+    assert result.error is None and result.new_source is None

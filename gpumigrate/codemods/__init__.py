@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Dict, List, Tuple, Type
 
 from gpumigrate.codemods.base import Rule
-from gpumigrate.codemods.device import CudaCall, CudaTensorType, HardcodedDevice, LoadMapLocation, LoadWholeModel
+from gpumigrate.codemods.device import (
+    CudaCall,
+    CudaTensorType,
+    DiscardedMove,
+    HardcodedDevice,
+    LoadMapLocation,
+    LoadWholeModel,
+)
 from gpumigrate.codemods.distributed import (
     BatchNormWithoutSync,
     CheckpointEveryRank,
@@ -20,17 +27,26 @@ from gpumigrate.codemods.distributed import (
     UnreducedMetric,
     WrappedAttribute,
 )
-from gpumigrate.codemods.lint_only import LINT_ONLY_RULES
-from gpumigrate.codemods.memory import EvalWithoutNoGrad, HalfBatchNorm, TensorAccumulation, TensorInContainer
 from gpumigrate.codemods.legacy import (
     AsyncKwarg,
     DataAccumulatorIndex,
+    DataAttribute,
     DataIndexScalar,
     DeprecatedOverload,
+    ScalarMetricAccumulation,
     VariableTypeCheck,
     VariableWrapper,
     VolatileFlag,
 )
+from gpumigrate.codemods.memory import (
+    EmptyCacheInLoop,
+    EvalWithoutNoGrad,
+    HalfBatchNorm,
+    OomRetryLeak,
+    TensorAccumulation,
+    TensorInContainer,
+)
+from gpumigrate.codemods.speed import HostDeviceRoundtrip, LoaderNoPinMemory, LoaderNoWorkers
 
 # In application order. GM205 repairs the source before parsing; the guard unwrapping of
 # GM103 needs GM101's rewrites of the guarded `.cuda()` calls.
@@ -46,6 +62,7 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     VolatileFlag,
     VariableTypeCheck,
     DataAccumulatorIndex,
+    ScalarMetricAccumulation,
     DeprecatedOverload,
     TensorAccumulation,
     TensorInContainer,
@@ -63,7 +80,14 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     WrappedAttribute,
     RankZeroOutput,
     PerRankValue,
-    *LINT_ONLY_RULES,
+    # report only: no safe mechanical fix
+    DiscardedMove,
+    DataAttribute,
+    EmptyCacheInLoop,
+    OomRetryLeak,
+    LoaderNoWorkers,
+    LoaderNoPinMemory,
+    HostDeviceRoundtrip,
 )
 
 # A target includes the ones it builds on: ddp applies every device fix too.

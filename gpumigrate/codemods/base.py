@@ -57,10 +57,12 @@ class Rule:
     def fixing(self) -> bool:
         return self.code in self.ctx.fixing
 
-    def report(self, node: cst.CSTNode, message: Optional[str] = None, *, review: bool = False) -> None:
-        """Report `node` (of the original tree). `review`: no safe fix here, a human must look."""
+    def report(self, node: cst.CSTNode, message: Optional[str] = None, *, review: bool = False,
+               through: Optional[cst.CSTNode] = None) -> None:
+        """Report `node` (of the original tree). `review`: no safe fix here, a human must look.
+        `through`: the fix spans statements up to this one."""
         fixable = bool(self.fixed_in) and not review
-        self.ctx.report(self.code, node, message or self.message, fixed=fixable, review=review)
+        self.ctx.report(self.code, node, message or self.message, fixed=fixable, review=review, through=through)
 
     def qualify(self, node: cst.BaseExpression) -> Optional[str]:
         return self.ctx.names.qualify(node)

@@ -1,12 +1,14 @@
-"""Device-agnostic placement: GM101, GM102, GM103, GM105, GM106."""
+"""Device-agnostic placement: GM101-GM106."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set
+from typing import Dict, Optional
 
 import libcst as cst
 import libcst.matchers as m
 
+from gpumigrate.analysis import script_model
+from gpumigrate.analysis import values as v
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import (
     RUNTIME,
@@ -286,7 +288,7 @@ class HardcodedDevice(Rule):
             return None
         plan = device_plan(self.ctx)
         definition = plan.existing_definition(original)
-        if definition is None or not (definition.hardcoded or plan.distributed):
+        if definition is None or not definition.hardcoded:
             return None
         self.report(original)
         return plan.redefine(definition)
@@ -320,7 +322,9 @@ class HardcodedDevice(Rule):
             # `if torch.cuda.is_available(): torch.cuda.set_device(n)` goes as a whole
             self.report(original, _SET_DEVICE)
             return self.ctx.remove_statement(original)
-        if original.orelse is not None or "GM101" not in self.ctx.fixing or not self.fixing:
+        if "GM101" not in self.ctx.fixing or not self.fixing:
+            return None
+        if original.orelse is not None and not self._cpu_twin(original):
             return None
         plan = device_plan(self.ctx)
         test = self.ctx.module.code_for_node(original.test).strip()
@@ -338,36 +342,31 @@ class HardcodedDevice(Rule):
             originals = list(body.body)
         if not all(findall(s, _CUDA_METHOD) for s in originals) or any(findall(s, _CUDA_METHOD) for s in stmts):
             return None
-        self.report(original, f"`if {test}:` guard around `.cuda()`: the device already says where to run")
+        self.report(original, f"`if {test}:` guard around `.cuda()`: the device already says where to run"
+                    + (" (its `else` did the same on the CPU)" if original.orelse is not None else ""))
         stmts[0] = stmts[0].with_changes(leading_lines=[*original.leading_lines, *stmts[0].leading_lines])
         return cst.FlattenSentinel(stmts)
 
-
-def _whole_model_names(module: cst.Module, qualify) -> Set[str]:
-    """Names the script loads a whole pickled module into (`model = torch.load(f)`, then
-    `model.eval()`), and whether it saves whole modules at all."""
-    loaded: Set[str] = set()
-    for assign in findall(module, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call())):
-        if qualify(assign.value.func) == "torch.load":
-            loaded.add(assign.targets[0].target.value)
-    used = set()
-    for call in findall(module, m.Call()):
-        func = call.func
-        if isinstance(func, cst.Name) and func.value in loaded:
-            used.add(func.value)
-        elif (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in loaded
-              and func.attr.value in ("eval", "train", "parameters", "modules", "to", "cuda", "half", "forward")):
-            used.add(func.value.value)
-    return used
+    def _cpu_twin(self, node: cst.If) -> bool:
+        """`if cuda: x = x.cuda() else: x = x`: the `else` is the body without `.cuda()`, so
+        with the device deciding, the body alone does both."""
+        orelse = node.orelse
+        if not isinstance(orelse, cst.Else) or not isinstance(orelse.body, type(node.body)):
+            return False
+        render = cst.Module(body=[]).code_for_node
+        without = node.body.visit(_DropCuda())
+        squash = lambda n: " ".join(render(n).split())  # noqa: E731
+        return squash(without) == squash(orelse.body)
 
 
-def _saves_whole_module(module: cst.Module, qualify) -> bool:
-    for call in findall(module, m.Call()):
-        if qualify(call.func) == "torch.save" and call.args:
-            obj = call.args[0].value
-            if isinstance(obj, cst.Name) and not findall(module, m.Assign(targets=[m.AssignTarget(m.Name(obj.value))], value=m.Dict())):
-                return True
-    return False
+class _DropCuda(cst.CSTTransformer):
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if m.matches(updated, _CUDA_METHOD):
+            return updated.func.value
+        return updated
+
+    def leave_Comment(self, original: cst.Comment, updated: cst.Comment):
+        return cst.RemoveFromParent()
 
 
 class LoadMapLocation(Rule):
@@ -451,14 +450,94 @@ class LoadWholeModel(Rule):
             fixed="import torch\ntorch.save(model, 'm.pt')\n"
             "model = torch.load('m.pt', map_location='cpu', weights_only=False)\nmodel.eval()\n",
         ),
+        Flagged(
+            "import torch\nimport torch.nn as nn\nnet = nn.Linear(2, 2)\ntorch.save([net, opt], 'ckpt.pt')\n"
+            "obj = torch.load('ckpt.pt', map_location='cpu')\n",
+            fixed="import torch\nimport torch.nn as nn\nnet = nn.Linear(2, 2)\ntorch.save([net, opt], 'ckpt.pt')\n"
+            "obj = torch.load('ckpt.pt', map_location='cpu', weights_only=False)\n",
+        ),
         Clean("import torch\ntorch.save(model.state_dict(), 'm.pt')\nstate = torch.load('m.pt', map_location='cpu')\n"),
+        Clean("import torch\nnoise = torch.randn(4, 2)\ntorch.save(noise, 'noise.pth')\n"
+              "net.load_state_dict(torch.load('w.pth', map_location='cpu'))\n"),
     )
 
-    def visit_Module(self, node: cst.Module) -> None:
-        self.whole = _saves_whole_module(node, self.qualify) or bool(_whole_model_names(node, self.qualify))
-
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
-        if not self.whole or self.qualify(original.func) != "torch.load" or get_arg(original, "weights_only") is not None:
+        if self.qualify(original.func) != "torch.load" or get_arg(original, "weights_only") is not None \
+                or not script_model(self.ctx).loads_pickled(original):
             return None
         self.report(original)
         return with_args(updated, [*updated.args, keyword_arg("weights_only", cst.Name("False"))])
+
+
+TENSOR_NAMES = frozenset({"inputs", "input", "target", "targets", "label", "labels", "images", "image",
+                          "imgs", "img", "x", "y"})
+
+
+class DiscardedMove(Rule):
+    """
+    ## What it does
+    Finds statements that only call `x.to(...)`, `x.cuda()` or `x.cpu()` on a tensor,
+    throwing the result away.
+
+    ## Why is this bad?
+    `Module.to()` moves a module in place, but `Tensor.to()` returns a new tensor and leaves
+    `x` where it was: the next line still computes on the CPU copy, or fails with "Expected
+    all tensors to be on the same device".
+
+    ## Example
+    ```python
+    for data, target in train_loader:
+        data.to(device)
+        target.to(device)
+        output = model(data)
+    ```
+
+    ## Use instead
+    ```python
+    for data, target in train_loader:
+        data, target = data.to(device), target.to(device)
+        output = model(data)
+    ```
+    A receiver is a tensor when it is bound from a `torch` tensor function, an indexing, a
+    module's output or a `(data, target)` pair unpacked from a loader, or is named like one
+    (`inputs`, `target`, `labels`, `images`, `x`, `y`...). Names bound from a class call
+    (modules, Hugging Face's `BatchEncoding`) and a bare `for batch in loader` item (PyG's
+    `Data` and `Batch` move in place) are not flagged.
+    """
+
+    code = "GM104"
+    name = "discarded-move"
+    message = "`Tensor.to()` returns a new tensor; the result is discarded"
+    reported_in = frozenset({"device"})
+    triggers = (".to", ".cuda", ".cpu")
+    examples = (
+        Flagged("for data, target in train_loader:\n    data.to(device)\n    output = model(data)\n"),
+        Flagged("import torch\nx = torch.randn(4, 3)\nx.cuda()\ny = x * 2\n"),
+        Flagged("def step(model, inputs, labels):\n    inputs.to(device, non_blocking=True)\n    return model(inputs)\n"),
+        Clean("import torch.nn as nn\nmodel = nn.Linear(3, 1)\nmodel.to(device)\nnet = Net()\nnet.cuda()\n"),
+        Clean("inputs = tokenizer(texts, return_tensors='pt')\ninputs.to(device)\n"),
+        Clean("for data in loader:  # torch_geometric Batch moves in place\n    data.to(device)\n"),
+        Clean("import torch\nx = torch.randn(4, 3)\nx = x.to(device)\nprint(x.to(device))\n"),
+        Clean("model = build_model(cfg)\nmodel.to(device)\nmodels[0].cuda()\n"),
+    )
+
+    def visit_Expr(self, node: cst.Expr) -> None:
+        call = node.value
+        if not is_method_call(call, "to", "cuda", "cpu"):
+            return
+        receiver = call.func.value
+        model = script_model(self.ctx)
+        method = call.func.attr.value
+        if isinstance(receiver, cst.Name):
+            kind = model.kind_anywhere(receiver.value, call)
+            if not (kind in (v.TENSOR, v.PARAM) or (kind in (None, v.BATCH) and receiver.value in TENSOR_NAMES)):
+                return
+            x = receiver.value
+            if kind == v.PARAM:
+                self.report(call, f"`{x}.{method}(...)` returns a new tensor and leaves the parameter where it "
+                                  f"was; move the module instead (`model.to(device)`)")
+                return
+            self.report(call, f"`{x}.{method}(...)` returns a new tensor; the result is discarded, so `{x}` "
+                              f"stays where it was: write `{x} = {x}.{method}(...)`")
+        elif isinstance(receiver, (cst.Call, cst.Subscript)) and model.kind(receiver) == v.TENSOR:
+            self.report(call, f"`.{method}(...)` returns a new tensor; the result is discarded: assign it")

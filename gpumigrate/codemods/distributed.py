@@ -1,174 +1,94 @@
-"""DistributedDataParallel: GM400-GM410.
+"""DistributedDataParallel: GM400-GM411.
 
 The ddp migration keeps a script runnable as `python train.py` and makes it correct under
-`torchrun --nproc_per_node=N train.py`: one process group, each trained model wrapped,
-each loader sharded, metrics reduced, output and checkpoints from rank 0 only. Every helper
-it calls (gpumigrate.runtime) is a no-op in a single process.
+`torchrun --nproc_per_node=N train.py`: one process group joined first, each trained model
+wrapped, its training data sharded, metrics reduced where provably sums, output and
+checkpoints from rank 0 only. Every runtime helper is a no-op in a single process. The
+decisions come from the ddp plan (ddp_plan.py), which reads the script model; where a fact
+is unknown the plan takes the safe form and GM400 reports it for review.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import List, Optional, Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
+from gpumigrate.analysis import script_model
+from gpumigrate.analysis.structure import dotted
 from gpumigrate.codemods.base import Clean, Flagged, Rule
-from gpumigrate.codemods.device_plan import RUNTIME, device_plan
-from gpumigrate.codemods.memory import _EVAL_NAME, _calls_eval
+from gpumigrate.codemods.ddp_plan import ddp_plan, main_block
+from gpumigrate.codemods.device_plan import _after_imports, device_plan
 from gpumigrate.codemods.helpers import (
-    enclosing,
     findall,
+    fresh_name,
     get_arg,
     is_method_call,
     keyword_arg,
     literal_bool,
     literal_str,
     remove_statement,
+    runtime_name,
     same_code,
     with_args,
 )
 
-DATALOADER = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
 DATA_PARALLEL = ("torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
                  "torch.nn.parallel.data_parallel.DataParallel")
 DDP_CLASSES = ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel")
-_EVAL_LOADER = re.compile(r"(test|val|eval|dev)", re.I)
-_TRAIN_LOADER = re.compile(r"train", re.I)
 
 
-def _runtime(ctx, name: str) -> cst.Name:
-    ctx.add_import(RUNTIME, name)
-    return cst.Name(name)
+def _call(ctx, name: str, args: Sequence[cst.Arg] = (), fixing: bool = True) -> cst.Call:
+    return cst.Call(func=runtime_name(ctx, name, fixing), args=list(args))
 
 
-def _main_process_test(ctx) -> cst.Call:
-    return cst.Call(func=_runtime(ctx, "is_main_process"))
+def _line(expr: cst.BaseExpression) -> cst.SimpleStatementLine:
+    return cst.SimpleStatementLine(body=[cst.Expr(expr)])
+
+
+def _assign(name: str, value: cst.BaseExpression) -> cst.SimpleStatementLine:
+    return cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(cst.parse_expression(name))],
+                                                    value=value)])
 
 
 def _guard(ctx, stmts: List[cst.BaseStatement]) -> cst.If:
     """`if is_main_process():` around statements, the first one's comments moved above."""
     first = stmts[0]
     body = [first.with_changes(leading_lines=[]), *stmts[1:]]
-    return cst.If(test=_main_process_test(ctx), body=cst.IndentedBlock(body=body), leading_lines=first.leading_lines)
+    return cst.If(test=_call(ctx, "is_main_process"), body=cst.IndentedBlock(body=body),
+                  leading_lines=first.leading_lines)
 
 
-def _is_main_guard(node: Optional[cst.CSTNode], names) -> bool:
+def _is_main_guard(node: Optional[cst.CSTNode]) -> bool:
+    """An `if is_main_process():` (ours, or from an earlier run)."""
     return isinstance(node, cst.If) and m.matches(node.test, m.Call(args=[])) and \
-        (names.qualify(node.test.func) or "").endswith(".is_main_process")
+        cst.Module(body=[]).code_for_node(node.test.func).endswith("is_main_process")
 
 
-@dataclass
-class DdpAnalysis:
-    models: List[str] = field(default_factory=list)  # trained models, in order
-    wrap_before: Dict[int, List[str]] = field(default_factory=dict)  # id(statement) -> models to wrap there
-    loaders: Dict[str, str] = field(default_factory=dict)  # name -> "train" | "eval"
-    writers: Set[str] = field(default_factory=set)
-    reloads: bool = False  # the script loads checkpoints: non-zero ranks wait for rank 0's save
-    conditional_forward: bool = False
-    already_wrapped: Set[str] = field(default_factory=set)
-
-
-def _build(ctx) -> DdpAnalysis:
-    names = ctx.names
-    a = DdpAnalysis()
-    module = ctx.module
-    optimizers = [c for c in findall(module, m.Call())
-                  if (names.qualify(c.func) or "").startswith("torch.optim.") and c.args]
-    feeding: Dict[str, Set[str]] = {}  # param-list names -> models: params = list(a.parameters()) + ...
-    for assign in findall(module, m.Assign(targets=[m.AssignTarget(m.Name())])):
-        models = _parameter_owners(assign.value)
-        if models:
-            feeding[assign.targets[0].target.value] = models
-    used: Set[str] = set()
-    for call in optimizers:
-        owners = _parameter_owners(call.args[0].value)
-        for name in findall(call.args[0].value, m.Name()):
-            owners |= feeding.get(name.value, set())
-        used |= owners
-    # models the script (or an earlier run) already wraps
-    wrapped = {c.args[0].value.value for c in findall(module, m.Call(args=[m.Arg(m.Name()), m.ZeroOrMore()]))
-               if (names.qualify(c.func) or "") in (f"{RUNTIME}.wrap_model", *DDP_CLASSES)}
-    a.models = sorted(used)
-    a.already_wrapped = wrapped
-    # wrap each model before the first statement that hands its parameters on
-    for stmt in _all_statements(module):
-        here = [n for n in sorted(_parameter_owners(stmt))
-                if n in used and n not in wrapped and n not in _flat(a.wrap_before)]
-        if here:
-            a.wrap_before[id(stmt)] = here
-    for assign in findall(module, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call())):
-        target = assign.targets[0].target.value
-        qualified = names.qualify(assign.value.func) or ""
-        if qualified in DATALOADER:
-            a.loaders[target] = _loader_kind(target, module)
-        elif qualified.endswith("SummaryWriter"):
-            a.writers.add(target)
-    a.reloads = any(names.qualify(c.func) == "torch.load" for c in findall(module, m.Call()))
-    a.conditional_forward = any(
-        f.name.value == "forward" and findall(f.body, m.If())
-        for f in findall(module, m.FunctionDef())
-    )
-    return a
-
-
-def _flat(groups: Dict[int, List[str]]) -> Set[str]:
-    return {n for names in groups.values() for n in names}
-
-
-def _parameter_owners(node: cst.CSTNode) -> Set[str]:
-    return {c.func.value.value for c in findall(node, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("parameters"))))}
-
-
-def _all_statements(module: cst.Module):
-    return findall(module, m.SimpleStatementLine())
-
-
-def _loader_kind(name: str, module: cst.Module) -> str:
-    if _TRAIN_LOADER.search(name):
-        return "train"
-    if _EVAL_LOADER.search(name):
-        return "eval"
-    for loop in findall(module, m.For()):
-        if findall(loop.iter, m.Name(name)) and findall(loop.body, m.Call(func=m.Attribute(attr=m.Name("backward")))):
-            return "train"
-    return "eval"
-
-
-def ddp_analysis(ctx) -> DdpAnalysis:
-    return ctx.shared("ddp-analysis", _build)
-
-
-def training_script(ctx) -> bool:
-    """Is this file a script (it trains, or runs code at module level) rather than a module
-    that scripts import? The ddp migration rewrites scripts, never the libraries they use."""
-    return ctx.shared("training-script", _is_script)
-
-
-def _is_script(ctx) -> bool:
-    analysis = ddp_analysis(ctx)
-    if analysis.models or analysis.loaders:
-        return True
-    for stmt in ctx.module.body:
-        if isinstance(stmt, (cst.For, cst.While, cst.With)):
-            return True
-        if isinstance(stmt, cst.If) and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
-            return True
-        if isinstance(stmt, cst.SimpleStatementLine) and any(
-                m.matches(s, m.Expr(m.Call(func=m.Name("print"))) | m.Assign(value=m.Call(
-                    func=m.Attribute(attr=m.Name("parse_args"))))) for s in stmt.body):
-            return True  # prints or parses its command line at module level: a script
-    return False
+def split_line(line: cst.SimpleStatementLine, small: cst.BaseSmallStatement,
+               inserted: Sequence[cst.SimpleStatementLine]) -> List[cst.BaseStatement]:
+    """`a = 1; b = 2` with statements inserted before `b`: the line splits in two."""
+    body = list(line.body)
+    k = next((i for i, s in enumerate(body) if s is small), 0)
+    if k == 0:
+        first = list(inserted)
+        first[0] = first[0].with_changes(leading_lines=line.leading_lines)
+        return [*first, line.with_changes(leading_lines=[])]
+    head = line.with_changes(body=[*body[:k - 1], body[k - 1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)],
+                             trailing_whitespace=cst.TrailingWhitespace())
+    tail = line.with_changes(body=body[k:], leading_lines=[])
+    return [head, *inserted, tail]
 
 
 class DdpSetup(Rule):
     """
     ## What it does
     Sets a single-process training script up for DistributedDataParallel (ddp migration
-    only): the device comes from `setup_distributed()`, which joins the process group when
-    launched by torchrun or srun, and each trained model is wrapped with `wrap_model()`.
+    only): `setup_distributed()` joins the process group first thing when launched by
+    torchrun or srun, and each model an optimizer trains is wrapped with `wrap_model()`
+    right before its optimizer is built (after it reached its device). Whatever the migration
+    could not prove safe is listed here for review.
 
     ## Why is this bad?
     A single-process script uses one GPU however many the machine has.
@@ -186,6 +106,9 @@ class DdpSetup(Rule):
     model = wrap_model(model)     # DDP under torchrun; the model itself in one process
     optimizer = optim.SGD(model.parameters(), lr=0.01)
     ```
+    Loss modules are never wrapped; a model the migration cannot wrap (a functional model,
+    an optimizer whose parameters it cannot follow) keeps its data unsharded, so every rank
+    still computes the same thing, and is reported.
     """
 
     code = "GM400"
@@ -193,65 +116,113 @@ class DdpSetup(Rule):
     message = "single-process training: wrap the model in DistributedDataParallel"
     fixed_in = frozenset({"ddp"})
     lint = False  # a migration step, not a defect
-    triggers = ("parameters",)
+    triggers = ("torch",)
     examples = (
         Flagged(
-            "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+            "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "model(x).sum().backward()\nopt.step()\n",
             fixed="import torch\nfrom gpumigrate.runtime import setup_distributed, wrap_model\n\n"
             "device = setup_distributed()\nmodel = Net().to(device)\nmodel = wrap_model(model)\n"
-            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nmodel(x).sum().backward()\nopt.step()\n",
         ),
-        Clean("import torch\nmodel = Net()\nprint(sum(p.numel() for p in model.parameters()))\n"),
+        Clean("import torch\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n        return x\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.analysis = ddp_analysis(self.ctx)
-        # only training scripts join a process group, not the modules they import
-        if self.fixing and (self.analysis.models or self.analysis.loaders):
-            plan = device_plan(self.ctx)
-            plan.require_definition()
-            if plan.multi_index:
-                self.report(node.body[0] if node.body else node, "modules on several devices (model parallelism): each is "
-                            "wrapped without device_ids, and the devices per process are the script's", review=True)
-            seeds = [c for c in findall(node, m.Call()) if self.qualify(c.func) in ("torch.manual_seed", "random.seed",
-                                                                                     "numpy.random.seed")]
-            if seeds:
-                self.report(seeds[0], "every rank seeds the same: random augmentation and dropout repeat across "
-                                      "ranks; add get_rank() to the seed if they should differ", review=True)
-            if plan.ignored_flag is not None:
-                self.report(plan.ignored_flag.stmt, f"`{plan.ignored_flag.code}` is decided where the device cannot "
-                            f"see it: pass `setup_distributed(use_accelerator={plan.ignored_flag.code})` by hand "
-                            "if the CPU must be forced under torchrun", review=True)
+        self.plan = ddp_plan(self.ctx)
+        if not self.plan.script:
+            return
+        self.plan.active  # noqa: B018  (decides, and records why not)
+        if self.plan.active:
+            self.wraps = {}
+            for wrap in self.plan.wraps:
+                if not wrap.existing:
+                    self.wraps.setdefault(id(wrap.anchor), []).append(wrap)
+            if self.fixing:
+                self._setup()
+            for where, why in self.plan.review_items():
+                self.report(where, why, review=True)
+        else:
+            for where, why in self.plan.reviews:
+                self.report(where, why, review=True)
 
-    def leave_SimpleStatementLine(self, original, updated):
-        models = self.analysis.wrap_before.get(id(original))
-        if not models:
-            return None
-        stmts = []
-        unused = len(self.analysis.models) > 1 or self.analysis.conditional_forward
-        for name in models:
-            why = (" (several models or a conditional forward: find_unused_parameters=True)" if unused else "")
-            self.report(original, f"`{name}` trains in one process: wrapped in DistributedDataParallel{why}")
-            args = [cst.Arg(cst.Name(name))]
-            if unused:
+    def _setup(self) -> None:
+        """`setup_distributed()` where the script starts: after the imports, or first in its
+        `if __name__ == "__main__":` block. A device the script defines right there comes
+        from it (`device = setup_distributed()`)."""
+        if any((self.qualify(c.func) or "").endswith("setup_distributed") for c in findall(self.ctx.module, m.Call())):
+            return
+        kind, _ = self.plan.entry
+        plan = device_plan(self.ctx)
+        if kind == "module" and plan.define_at_top and plan.flag is None:
+            plan.distributed_definition = True
+            plan.need_definition()
+            return
+        name = runtime_name(self.ctx, "setup_distributed")
+        statement = _line(cst.Call(func=name))
+
+        def insert(module: cst.Module) -> cst.Module:
+            if kind == "main":
+                block = main_block(module)
+                if block is None:
+                    return module
+                body = list(block.body.body)
+                new_block = block.with_changes(body=block.body.with_changes(body=[statement, *body]))
+                return module.with_changes(body=[new_block if s is block else s for s in module.body])
+            at = _after_imports(module)
+            body = list(module.body)
+            first = statement.with_changes(leading_lines=[cst.EmptyLine()] if at else [])
+            return module.with_changes(body=body[:at] + [first] + body[at:])
+
+        self.ctx.add_finisher("ddp-setup", insert)
+
+    def _wrap_statements(self, wraps) -> List[cst.SimpleStatementLine]:
+        out = []
+        for wrap in wraps:
+            args = [cst.Arg(cst.parse_expression(wrap.name))]
+            if wrap.find_unused:
                 args.append(keyword_arg("find_unused_parameters", cst.Name("True")))
             if self.ctx.options.get("sync_bn"):
                 args.append(keyword_arg("sync_batchnorm", cst.Name("True")))
-            call = cst.Call(func=_runtime(self.ctx, "wrap_model") if self.fixing else cst.Name("wrap_model"), args=args)
-            stmts.append(cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(name))], value=call)]))
-        stmts[0] = stmts[0].with_changes(leading_lines=updated.leading_lines)
-        return cst.FlattenSentinel([*stmts, updated.with_changes(leading_lines=[])])
+            out.append(_assign(wrap.name, _call(self.ctx, "wrap_model", args, self.fixing)))
+        return out
 
-    def leave_Call(self, original: cst.Call, updated: cst.Call):
-        plan = device_plan(self.ctx)
-        definition = plan.existing_definition(original)
-        if definition is None or definition.hardcoded or not plan.distributed:
+    def leave_SimpleStatementLine(self, original, updated):
+        if not self.plan.active:
             return None
-        value = plan.redefine(definition)
-        if value is None:
+        before = [(small, self.wraps[id(small)]) for small in original.body if id(small) in self.wraps]
+        if not before:
             return None
-        self.report(original, "the device comes from `setup_distributed()`: one process per device under torchrun")
-        return value
+        small, wraps = before[0]
+        self._report(original, wraps)
+        position = list(original.body).index(small)
+        return cst.FlattenSentinel(split_line(updated, updated.body[position], self._wrap_statements(wraps)))
+
+    def _report(self, where, wraps) -> None:
+        for wrap in wraps:
+            why = " (a conditional forward: find_unused_parameters=True)" if wrap.find_unused else ""
+            self.report(where, f"`{wrap.name}` trains in one process: wrapped in DistributedDataParallel{why}")
+
+    def _block(self, original, updated):
+        """Wraps that go after a line (the model's last move, when its optimizer is built
+        elsewhere): after whatever the other fixes made of that line."""
+        if not self.plan.active:
+            return None
+        body = list(updated.body)
+        changed = False
+        for line in reversed(original.body):
+            wraps = self.wraps.get(id(line))
+            if not wraps:
+                continue
+            where = self.ctx.span_of([line], body)
+            if where is None:
+                continue
+            self._report(line, wraps)
+            body[where[1]:where[1]] = self._wrap_statements(wraps)
+            changed = True
+        return updated.with_changes(body=body) if changed else None
+
+    leave_IndentedBlock = leave_Module = _block
 
 
 class DataParallelWrapper(Rule):
@@ -274,6 +245,8 @@ class DataParallelWrapper(Rule):
     model = wrap_model(model)          # DistributedDataParallel under torchrun
     print(unwrap_model(model).fc)
     ```
+    Checkpoints the DataParallel script wrote have `module.`-prefixed keys: their
+    `load_state_dict` goes through `without_module_prefix()`, so they still load.
     """
 
     code = "GM401"
@@ -291,18 +264,28 @@ class DataParallelWrapper(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.wrapped = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())]))
-                        if findall(a.value, m.Call()) and any(self.qualify(c.func) in DATA_PARALLEL for c in findall(a.value, m.Call()))}
-        self.wrapped |= set(ddp_analysis(self.ctx).models)
+                        if any(self.qualify(c.func) in DATA_PARALLEL for c in findall(a.value, m.Call()))}
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
-        if self.qualify(original.func) not in DATA_PARALLEL:
-            return None
-        module = get_arg(updated, "module", 0)
-        if module is None:
-            self.report(original, review=True)
-            return None
-        self.report(original)
-        return module.value.with_changes(lpar=[], rpar=[]) if not isinstance(module.value, (cst.BinaryOperation,)) else module.value
+        if self.qualify(original.func) in DATA_PARALLEL:
+            module = get_arg(updated, "module", 0)
+            if module is None:
+                self.report(original, review=True)
+                return None
+            self.report(original)
+            value = module.value
+            return value if isinstance(value, cst.BinaryOperation) else value.with_changes(lpar=[], rpar=[])
+        # a checkpoint written by the DataParallel script has `module.` keys
+        if self.wrapped and is_method_call(original, "load_state_dict") and original.args \
+                and _root_name(original.func.value) in self.wrapped:
+            first = updated.args[0]
+            if m.matches(first.value, m.Call(func=m.Name(value=m.MatchIfTrue(lambda n: n.endswith("without_module_prefix"))))):
+                return None
+            self.report(original, "the DataParallel script saved `module.`-prefixed keys: loading them through "
+                                  "`without_module_prefix()` keeps its checkpoints usable")
+            value = _call(self.ctx, "without_module_prefix", [cst.Arg(first.value)], self.fixing)
+            return updated.with_changes(args=[first.with_changes(value=value), *updated.args[1:]])
+        return None
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         # `model.module` reaches the user's module: unwrap_model works with or without a wrapper
@@ -310,8 +293,7 @@ class DataParallelWrapper(Rule):
                 or original.value.value not in self.wrapped:
             return None
         self.report(original, "`.module` exists only on a wrapped model; `unwrap_model(model)` works in one process too")
-        return cst.Call(func=_runtime(self.ctx, "unwrap_model") if self.fixing else cst.Name("unwrap_model"),
-                        args=[cst.Arg(updated.value)])
+        return _call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing)
 
     def leave_SimpleStatementLine(self, original, updated):
         # `model = nn.DataParallel(model)` leaves `model = model`
@@ -322,12 +304,22 @@ class DataParallelWrapper(Rule):
         return None
 
 
+def _root_name(expr: cst.BaseExpression) -> Optional[str]:
+    while isinstance(expr, cst.Call) and expr.args and cst.Module(body=[]).code_for_node(expr.func).endswith(
+            "unwrap_model"):
+        expr = expr.args[0].value
+    if isinstance(expr, cst.Attribute) and expr.attr.value == "module":
+        expr = expr.value
+    return expr.value if isinstance(expr, cst.Name) else None
+
+
 class DistributedSamplerRule(Rule):
     """
     ## What it does
     Gives every training `DataLoader` a `DistributedSampler` (its `shuffle=` moves into the
-    sampler) and calls `set_epoch(loader, epoch)` at the start of each epoch; evaluation
-    loaders get an unpadded shard.
+    sampler) and calls `set_epoch` at the start of each epoch, or each time an iteration-based
+    loop rebuilds its iterator; evaluation loaders whose metrics are sums get an unpadded
+    shard. Epoch sizes computed from `len(train_set)` count this rank's share.
 
     ## Why is this bad?
     Without a sampler every rank trains on the whole dataset, in the same order: N times the
@@ -348,7 +340,8 @@ class DistributedSamplerRule(Rule):
         set_epoch(train_loader, epoch)
         train(epoch)
     ```
-    The batch size is per process: the effective batch is N x batch_size.
+    The batch size is per process: the effective batch is N x batch_size. Data is sharded
+    only when the model that trains on it is DDP-wrapped.
     """
 
     code = "GM402"
@@ -359,151 +352,110 @@ class DistributedSamplerRule(Rule):
     triggers = ("DataLoader",)
     examples = (
         Flagged(
-            "from torch.utils.data import DataLoader\ntrain_loader = DataLoader(ds, batch_size=8, shuffle=True)\n"
-            "for epoch in range(3):\n    for x in train_loader:\n        step(x)\n",
+            "import torch\nfrom torch.utils.data import DataLoader\n"
+            "train_loader = DataLoader(ds, batch_size=8, shuffle=True)\nmodel = Net()\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for epoch in range(3):\n    for x in train_loader:\n        model(x).sum().backward()\n"
+            "        opt.step()\n",
         ),
         Clean("from torch.utils.data import DataLoader\nimport torch\n"
               "loader = DataLoader(ds, sampler=torch.utils.data.distributed.DistributedSampler(ds))\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.analysis = ddp_analysis(self.ctx)
+        self.plan = ddp_plan(self.ctx)
+        self.epoch_loops = self.plan.set_epoch_points() if self.plan.active else {}
+        self.rebuilds = self.plan.rebuild_points() if self.plan.active else {}
+        self.hoisted: dict = {}  # id(original line) -> (name, dataset expression)
 
-    def leave_Call(self, original: cst.Call, updated: cst.Call, target: Optional[str] = None):
-        if self.qualify(original.func) not in DATALOADER:
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if not self.plan.active:
             return None
-        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
-        if target is None and isinstance(parent, cst.Assign) and len(parent.targets) == 1 \
-                and isinstance(parent.targets[0].target, cst.Name):
-            target = parent.targets[0].target.value
-        kind = self.analysis.loaders.get(target, "train" if target is None else "eval")
-        if any(a.star == "*" for a in original.args) or any(
-                a.star == "**" and self._may_hold_sampler(a.value) for a in original.args):
-            self.report(original, "DataLoader(*args/**kwargs) may set shuffle or a sampler: add "
-                                  "`sampler=distributed_sampler(dataset)` by hand", review=True)
+        if self.plan.per_rank_size(original):
+            self.report(original, "an epoch size from the whole dataset: this rank trains on its shard, "
+                                  "`shard_length(dataset)` samples per epoch")
+            return updated.with_changes(func=_call(self.ctx, "shard_length", (), self.fixing).func)
+        edit = self.plan.loader_edits.get(id(original))
+        if edit is None:
             return None
-        given = get_arg(original, "sampler", 3) or get_arg(original, "batch_sampler", 4)
-        if given is not None and m.matches(given.value, m.Call()) and (
-                (self.qualify(given.value.func) or "").endswith(("DistributedSampler", "distributed_sampler"))):
-            return None  # already sharded
-        if given is not None:
-            self.report(original, "custom sampler kept: make it shard the data per rank "
-                                  "(e.g. DistributedSampler) or each rank sees everything", review=True)
+        if edit.problem is not None:
+            if edit.problem != "already sharded":
+                self.report(original, edit.problem, review=True)
             return None
         dataset = get_arg(updated, "dataset", 0)
-        if dataset is None or not m.matches(dataset.value, m.Name() | m.Attribute()):
-            if target is None or dataset is None:
-                self.report(original, "dataset built inline: assign it to a name and pass "
-                                      "`sampler=distributed_sampler(dataset)`", review=True)
-            return None  # `loader = DataLoader(Dataset(...))`: the statement hoists the dataset
+        if edit.hoist:
+            # `DataLoader(TensorDataset(x, y), ...)`: the sampler needs the dataset, so it gets a name first
+            named = cst.Name(self._dataset_name(original))
+            self.hoisted[id(self._line(original))] = (named.value, dataset.value)
+            updated = updated.with_changes(args=[a.with_changes(value=named) if a is dataset else a
+                                                 for a in updated.args])
+            dataset = get_arg(updated, "dataset", 0)
         shuffle = get_arg(updated, "shuffle", 2)
-        if shuffle is not None and shuffle.keyword is None:
-            self.report(original, "positional `shuffle`: pass `sampler=distributed_sampler(dataset)` by hand",
-                        review=True)
-            return None
         shuffling = literal_bool(shuffle.value) if shuffle is not None else False
         args = [cst.Arg(dataset.value.deep_clone())]
-        if kind == "train":
-            batch = get_arg(original, "batch_size", 1)
-            size = self.ctx.module.code_for_node(batch.value) if batch else "1"
-            self.report(original, f"training data sharded with a DistributedSampler; the effective batch size is "
-                                  f"now WORLD_SIZE x {size}: scale the learning rate if needed")
+        if edit.kind in ("train", "flag"):
             if shuffle is not None and shuffling is None:
                 args.append(keyword_arg("shuffle", shuffle.value))
             elif not shuffling:
                 args.append(keyword_arg("shuffle", cst.Name("False")))
         else:
-            self.report(original, "evaluation data sharded without padding; metrics are summed over ranks")
             args.append(keyword_arg("shuffle", shuffle.value if shuffle is not None else cst.Name("False")))
+        if edit.kind == "train":
+            self.report(original, "training data sharded with a DistributedSampler")
+        elif edit.kind == "flag":
+            flag = cst.Name(edit.flag)
+            test = cst.UnaryOperation(operator=cst.Not(), expression=flag) if edit.negated else flag
+            args.append(keyword_arg("pad" if edit.eval_sharded else "shard", test))
+            self.report(original, f"training data (`{edit.flag}` true) sharded with a DistributedSampler; "
+                        + ("evaluation data sharded without padding" if edit.eval_sharded else
+                           "evaluation data (`{}` false) kept whole on every rank".format(edit.flag)))
+        else:
             args.append(keyword_arg("pad", cst.Name("False")))
-        sampler = keyword_arg("sampler", cst.Call(func=_runtime(self.ctx, "distributed_sampler") if self.fixing
-                                                  else cst.Name("distributed_sampler"), args=args))
+            self.report(original, "evaluation data sharded without padding; its sums are reduced over ranks")
+        sampler = keyword_arg("sampler", _call(self.ctx, "distributed_sampler", args, self.fixing))
         return with_args(updated, [*(a for a in updated.args if a is not shuffle), sampler])
 
-    def leave_For(self, original: cst.For, updated: cst.For):
-        if not m.matches(original.target, m.Name(value=m.MatchIfTrue(lambda v: "epoch" in v.lower()))):
+    def _line(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
+        return script_model(self.ctx).s.line(node)
+
+    def _loop(self, original, updated):
+        holders = self.epoch_loops.get(id(original))
+        if not holders or not isinstance(updated.body, cst.IndentedBlock):
             return None
-        scope_names = self._loaders_in_scope(original)
-        if not scope_names:
-            return None
+        target = original.target if isinstance(original, cst.For) and isinstance(original.target, cst.Name) else None
+        self.report(original, "DistributedSampler needs `set_epoch` each epoch, or every epoch has the same order")
+        calls = [_line(_call(self.ctx, "set_epoch", [cst.Arg(cst.parse_expression(h))]
+                             + ([cst.Arg(target.deep_clone())] if target is not None else []), self.fixing))
+                 for h in holders]
         body = updated.body
-        if not isinstance(body, cst.IndentedBlock):
-            return None
-        present = {c.args[0].value.value for c in findall(original.body, m.Call(func=m.Name("set_epoch"), args=[m.Arg(m.Name()), m.Arg()]))}
-        missing = [n for n in scope_names if n not in present]
-        if not missing:
-            return None
-        self.report(original, "DistributedSampler needs `set_epoch(epoch)` each epoch, or every epoch has the same order")
-        calls = [cst.SimpleStatementLine(body=[cst.Expr(cst.Call(
-            func=_runtime(self.ctx, "set_epoch") if self.fixing else cst.Name("set_epoch"),
-            args=[cst.Arg(cst.Name(n)), cst.Arg(original.target)]))]) for n in missing]
         return updated.with_changes(body=body.with_changes(body=[*calls, *body.body]))
 
+    leave_For = leave_While = _loop
+
     def leave_SimpleStatementLine(self, original, updated):
-        """`loader = DataLoader(TensorDataset(x, y), ...)`: the sampler needs the dataset, so
-        it gets a name of its own first."""
-        if not m.matches(updated, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())],
-                                                                       value=m.Call())])):
+        if not self.plan.active:
             return None
-        assign = updated.body[0]
-        call = assign.value
-        if self.qualify(call.func) not in DATALOADER or any(a.star == "*" for a in call.args):
-            return None
-        dataset = get_arg(call, "dataset", 0)
-        if dataset is None or m.matches(dataset.value, m.Name() | m.Attribute()) \
-                or findall(call, m.Arg(keyword=m.Name("sampler") | m.Name("batch_sampler"))):
-            return None
-        name = self._dataset_name(assign.targets[0].target.value)
-        hoisted = cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(name))],
-                                                           value=dataset.value)], leading_lines=updated.leading_lines)
-        args = [a.with_changes(value=cst.Name(name)) if a is dataset else a for a in call.args]
-        fixed = self.leave_Call(original.body[0].value, call.with_changes(args=args), target=assign.targets[0].target.value)
-        if fixed is None:
-            return None
-        line = updated.with_changes(body=[assign.with_changes(value=fixed)], leading_lines=[])
-        return cst.FlattenSentinel([hoisted, line])
+        lines: List[cst.BaseStatement] = [updated]
+        hoisted = self.hoisted.pop(id(original), None)
+        if hoisted is not None:
+            name, value = hoisted
+            lines = [_assign(name, value).with_changes(leading_lines=updated.leading_lines),
+                     updated.with_changes(leading_lines=[])]
+        rebuilt = self.rebuilds.get(id(original))
+        if rebuilt is not None:
+            self.report(original, "the iterator restarts the epoch: `set_epoch` reshuffles the DistributedSampler")
+            call = _line(_call(self.ctx, "set_epoch", [cst.Arg(cst.parse_expression(rebuilt))], self.fixing))
+            lines = [call.with_changes(leading_lines=lines[0].leading_lines),
+                     lines[0].with_changes(leading_lines=[]), *lines[1:]]
+        return cst.FlattenSentinel(lines) if len(lines) > 1 else None
 
-    def _dataset_name(self, loader: str) -> str:
+    def _dataset_name(self, call: cst.Call) -> str:
+        parent = script_model(self.ctx).s.parent(call)
+        loader = ""
+        if isinstance(parent, cst.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0].target, cst.Name):
+            loader = parent.targets[0].target.value
         base = loader[: -len("loader")].rstrip("_") if loader.endswith("loader") else loader
-        base = f"{base}_dataset" if base not in ("", "data") else "dataset"
-        used = self.ctx.shared("names-used", lambda ctx: {n.value for n in findall(ctx.module, m.Name())})
-        name, n = base, 1
-        while name in used:
-            n += 1
-            name = f"{base}{n}"
-        return name
-
-    def _may_hold_sampler(self, kwargs: cst.BaseExpression) -> bool:
-        """`**kwargs` is safe when every dict literal it is built from lacks these keys."""
-        if not isinstance(kwargs, cst.Name):
-            return True
-        values = [a.value for a in findall(self.ctx.module, m.Assign(targets=[m.AssignTarget(m.Name(kwargs.value))]))]
-        if not values:
-            return True
-        for value in values:
-            dicts = findall(value, m.Dict())
-            if not dicts:
-                return True
-            for d in dicts:
-                keys = [literal_str(e.key) for e in d.elements if isinstance(e, cst.DictElement)]
-                if any(k is None or k in ("shuffle", "sampler", "batch_sampler") for k in keys) or \
-                        any(not isinstance(e, cst.DictElement) for e in d.elements):
-                    return True
-        return False
-
-    def _loaders_in_scope(self, loop: cst.For) -> List[str]:
-        """Training loaders this epoch loop can see: module-level ones, or ones its own
-        function builds (not inside the loop: a loader rebuilt each epoch needs no set_epoch)."""
-        func = enclosing(self.ctx.ancestors, cst.FunctionDef)
-        out = []
-        for name, kind in sorted(self.analysis.loaders.items()):
-            assign = m.Assign(targets=[m.AssignTarget(m.Name(name))])
-            if kind != "train" or findall(loop.body, assign):
-                continue
-            if any(findall(s, assign) for s in self.ctx.module.body if not isinstance(s, (cst.FunctionDef, cst.ClassDef))) \
-                    or (func is not None and findall(func.body, assign)):
-                out.append(name)
-        return out
+        return fresh_name(self.ctx, f"{base}_dataset" if base not in ("", "data") else "dataset")
 
 
 class ShuffleWithSampler(Rule):
@@ -538,7 +490,7 @@ class ShuffleWithSampler(Rule):
     )
 
     def visit_Call(self, node: cst.Call) -> None:
-        if self.qualify(node.func) not in DATALOADER:
+        if self.qualify(node.func) not in ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"):
             return
         shuffle = get_arg(node, "shuffle", 2)
         if shuffle is not None and literal_bool(shuffle.value) is True and \
@@ -550,7 +502,9 @@ class CheckpointEveryRank(Rule):
     """
     ## What it does
     Finds `torch.save` that would run on every rank (ddp migration: it runs on rank 0 only,
-    and the saved model is unwrapped so its keys have no `module.` prefix).
+    and the saved model, also inside a list or dict, is unwrapped so it loads without a
+    process group and its keys have no `module.` prefix). Where the script reads checkpoints
+    back, the other ranks wait for the write (`barrier()`), if every rank reaches the save.
 
     ## Why is this bad?
     N processes write the same file at once (a corrupt checkpoint, N times the I/O), and a
@@ -576,62 +530,69 @@ class CheckpointEveryRank(Rule):
     triggers = ("save",)
     examples = (
         Flagged(
-            "import torch\nfor epoch in range(3):\n    torch.save(state, 'ckpt.pt')\n",
-            fixed="import torch\nfrom gpumigrate.runtime import is_main_process\n\nfor epoch in range(3):\n"
-            "    if is_main_process():\n        torch.save(state, 'ckpt.pt')\n",
+            "import torch\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor epoch in range(3):\n"
+            "    model(x).sum().backward()\n    opt.step()\n    torch.save(state, 'ckpt.pt')\n",
         ),
         Clean("import torch\nfrom gpumigrate.runtime import is_main_process\nif is_main_process():\n"
               "    torch.save(state, 'ckpt.pt')\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.analysis = ddp_analysis(self.ctx)
-
-    def _saves(self, node: cst.CSTNode) -> List[cst.Call]:
-        return [c for c in findall(node, m.Call()) if self.qualify(c.func) == "torch.save"]
-
-    def _guarded(self) -> bool:
-        return any(_is_main_guard(a, self.ctx.names) for a in self.ctx.ancestors)
+        self.plan = ddp_plan(self.ctx)
+        self.models = {w.name for w in self.plan.wraps}
 
     def _wrap(self, original, updated):
-        saves = self._saves(original)
-        if not saves or self._guarded() or not training_script(self.ctx):
+        if not self.plan.active or not self.plan.saves_here(original):
             return None
-        for save in saves:
+        for save in self.plan.saves_here(original):
             self.report(save)
         guarded = _guard(self.ctx, [updated])
-        if self.analysis.reloads:
-            # the script reads its checkpoint back: the other ranks wait for the write
-            wait = cst.SimpleStatementLine(body=[cst.Expr(cst.Call(func=_runtime(self.ctx, "barrier")))])
-            return cst.FlattenSentinel([guarded, wait])
+        self.ctx.shared("rank-zero-gates", lambda ctx: set()).add(id(guarded))  # output may join it
+        if self.plan.barrier_after(original):
+            # the script reads checkpoints back: the other ranks wait for the write
+            return cst.FlattenSentinel([guarded, _line(_call(self.ctx, "barrier"))])
         return guarded
 
     def leave_SimpleStatementLine(self, original, updated):
-        if any(isinstance(a, cst.With) and self._opens_file(a) for a in self.ctx.ancestors):
-            return None  # the `with open(...)` around it is guarded as a whole
-        if not all(m.matches(s, m.Expr(m.Call())) for s in original.body):
+        if id(original) not in self.plan.gated_lines:
             return None
         return self._wrap(original, updated)
 
     def leave_With(self, original: cst.With, updated: cst.With):
-        if not self._opens_file(original):
+        if not self.plan.gated_with_saves(original):
             return None
         return self._wrap(original, updated)
 
-    @staticmethod
-    def _opens_file(node: cst.With) -> bool:
-        return any(m.matches(item.item, m.Call(func=m.Name("open"))) for item in node.items)
-
     def leave_Call(self, original: cst.Call, updated: cst.Call):
-        # torch.save(model, f): the plain module, not the wrapper
-        if self.qualify(original.func) != "torch.save" or not updated.args:
+        # torch.save(model, f), torch.save([model, optimizer], f): the plain module, not the wrapper
+        if self.qualify(original.func) != "torch.save" or not updated.args or not self.models:
             return None
-        obj = updated.args[0].value
-        if isinstance(obj, cst.Name) and obj.value in self.analysis.models:
-            unwrapped = cst.Call(func=_runtime(self.ctx, "unwrap_model") if self.fixing else cst.Name("unwrap_model"),
-                                 args=[cst.Arg(obj)])
-            return updated.with_changes(args=[updated.args[0].with_changes(value=unwrapped), *updated.args[1:]])
-        return None
+        obj = updated.args[0]
+        new = obj.value.visit(_Unwrap(self.models, lambda: _call(self.ctx, "unwrap_model", (), self.fixing).func))
+        if new.deep_equals(obj.value):
+            return None
+        self.report(original, "a wrapped model inside a checkpoint: saved unwrapped, so it loads without a "
+                              "process group")
+        return updated.with_changes(args=[obj.with_changes(value=new), *updated.args[1:]])
+
+
+class _Unwrap(cst.CSTTransformer):
+    """Wrapped model names inside a saved object (a list, tuple or dict), not `model.x`."""
+
+    def __init__(self, models, func) -> None:
+        super().__init__()
+        self.models, self.func = models, func
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        return False
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        return False
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name):
+        if original.value in self.models:
+            return cst.Call(func=self.func(), args=[cst.Arg(updated)])
+        return updated
 
 
 class LegacyLauncher(Rule):
@@ -685,11 +646,6 @@ class LegacyLauncher(Rule):
         return with_args(updated, [*args, keyword_arg("default", value)])
 
 
-def _is_number(node: cst.BaseExpression) -> bool:
-    return isinstance(node, (cst.Integer, cst.Float)) or (
-        isinstance(node, cst.UnaryOperation) and isinstance(node.expression, (cst.Integer, cst.Float)))
-
-
 def _loop_of(stmt: cst.CSTNode) -> Optional[cst.For]:
     """The loop a statement is, or wraps in `with torch.no_grad():`."""
     if isinstance(stmt, cst.For):
@@ -715,11 +671,12 @@ class _BlockRule(Rule):
         return updated.with_changes(body=body) if body is not None else None
 
 
-class UnreducedMetric(_BlockRule):
+class UnreducedMetric(Rule):
     """
     ## What it does
-    Sums evaluation metrics over the ranks after an evaluation loop over a sharded loader
-    (ddp migration): `test_loss, correct = reduce_sum(test_loss, correct)`.
+    Sums evaluation metrics over the ranks right after an evaluation loop over a sharded
+    loader (ddp migration): `test_loss, correct = reduce_sum(test_loss, correct)`. An
+    evaluation loader is sharded only when every metric it feeds is such a sum.
 
     ## Why is this bad?
     Under DDP each rank evaluates only its shard: a metric it prints is one shard's,
@@ -739,6 +696,9 @@ class UnreducedMetric(_BlockRule):
     correct = reduce_sum(correct)
     print(correct / len(test_loader.dataset))
     ```
+    Metrics kept in objects (`AverageMeter`, `score.update(...)`) or lists cannot be proven
+    to be sums: their loader is not sharded, every rank evaluates the whole set (the weights
+    are identical, so every rank gets the same numbers), and rank 0 prints.
     """
 
     code = "GM406"
@@ -749,70 +709,44 @@ class UnreducedMetric(_BlockRule):
     triggers = ("loader",)
     examples = (
         Flagged(
-            "correct = 0\nfor x, y in test_loader:\n    correct += 1\nprint(correct)\n",
-            fixed="from gpumigrate.runtime import is_main_process, reduce_sum\n\ncorrect = 0\nfor x, y in test_loader:\n"
-            "    correct += 1\ncorrect = reduce_sum(correct)\nif is_main_process():\n    print(correct)\n",
+            "import torch\nfrom torch.utils.data import DataLoader\ntest_loader = DataLoader(test_set)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nmodel(x).sum().backward()\nopt.step()\n"
+            "correct = 0\nfor x, y in test_loader:\n    correct += 1\n",
         ),
         Clean("total = 0\nfor x, y in train_loader:\n    total += 1\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.analysis = ddp_analysis(self.ctx)
+        self.plan = ddp_plan(self.ctx)
 
-    def _eval_loop(self, loop: Optional[cst.For]) -> bool:
-        if loop is None:
-            return False
-        func = enclosing(self.ctx.ancestors, cst.FunctionDef)
-        in_evaluation = func is not None and (bool(_EVAL_NAME.match(func.name.value)) or _calls_eval(func))
-        for name in findall(loop.iter, m.Name()):
-            if in_evaluation and "loader" in name.value and not _TRAIN_LOADER.search(name.value):
-                return True
-            kind = self.analysis.loaders.get(name.value)
-            if kind == "eval" or (kind is None and "loader" in name.value and _EVAL_LOADER.search(name.value)
-                                  and not _TRAIN_LOADER.search(name.value)):
-                return True
-        return False
-
-    def _initialised(self) -> Set[str]:
-        scope = enclosing(self.ctx.ancestors, cst.FunctionDef) or self.ctx.module
-        return {a.targets[0].target.value for a in findall(scope, m.Assign(targets=[m.AssignTarget(m.Name())]))
-                if _is_number(a.value) or (isinstance(a.value, cst.Call) and (self.qualify(a.value.func) or "")
-                                           in ("torch.zeros", "torch.zeros_like"))}
-
-    def _block(self, original_body, updated_body):
-        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
-        if not training_script(self.ctx):
+    def _block(self, original, updated):
+        """After each loop of this block whose sums the plan reduces (or the `with` that holds
+        it alone), in whatever form the other fixes left that line."""
+        if not self.plan.active or not self.plan.reduce_after:
             return None
+        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
         if isinstance(parent, cst.With) and _loop_of(parent) is not None:
             return None  # `with no_grad(): for ...`: the reduction goes after the `with`
-        out, changed = [], False
-        originals = [_loop_of(s) for s in original_body]
-        for i, stmt in enumerate(updated_body):
-            out.append(stmt)
-            loop = _loop_of(stmt)
-            if not self._eval_loop(loop):
+        body = list(updated.body)
+        changed = False
+        for line in reversed(original.body):
+            loop = _loop_of(line)
+            names = self.plan.reduce_after.get(id(loop)) if loop is not None else None
+            if not names:
                 continue
-            accumulators = []
-            for aug in findall(loop.body, m.AugAssign(target=m.Name() | m.Subscript(value=m.Name()),
-                                                        operator=m.AddAssign())):
-                name = aug.target.value if isinstance(aug.target, cst.Name) else aug.target.value.value
-                if name not in accumulators:
-                    accumulators.append(name)
-            initialised = self._initialised()
-            wanted = [n for n in accumulators if n in initialised]
-            following = updated_body[i + 1] if i + 1 < len(updated_body) else None
-            if not wanted or (following is not None and findall(following, m.Call(func=m.Name("reduce_sum")))):
+            where = self.ctx.span_of([line], body)
+            if where is None:
                 continue
-            source = next((o for o in originals if o is not None and o.iter.deep_equals(loop.iter)), None)
-            self.report(source or loop, f"{', '.join(wanted)} summed over one rank's shard: reduced over ranks")
-            targets = cst.Tuple([cst.Element(cst.Name(n)) for n in wanted], lpar=[], rpar=[]) if len(wanted) > 1 \
-                else cst.Name(wanted[0])
-            call = cst.Call(func=_runtime(self.ctx, "reduce_sum") if self.fixing else cst.Name("reduce_sum"),
-                            args=[cst.Arg(cst.Name(n)) for n in wanted])
-            out.append(cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(targets)], value=call)]))
+            self.report(loop, f"{', '.join(names)} summed over one rank's shard: reduced over ranks")
+            targets = cst.Tuple([cst.Element(cst.Name(n)) for n in names], lpar=[], rpar=[]) if len(names) > 1 \
+                else cst.Name(names[0])
+            call = _call(self.ctx, "reduce_sum", [cst.Arg(cst.Name(n)) for n in names], self.fixing)
+            body.insert(where[1], cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(targets)],
+                                                                           value=call)]))
             changed = True
-        return out if changed else None
+        return updated.with_changes(body=body) if changed else None
 
+    leave_IndentedBlock = leave_Module = _block
 
 
 class BatchNormWithoutSync(Rule):
@@ -852,7 +786,7 @@ class BatchNormWithoutSync(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         text = self.ctx.text
-        distributed = "DistributedDataParallel" in text or "GM400" in self.ctx.fixing
+        distributed = "DistributedDataParallel" in text or ("GM400" in self.ctx.fixing and ddp_plan(self.ctx).active)
         synced = "SyncBatchNorm" in text or "sync_batchnorm" in text or self.ctx.options.get("sync_bn")
         self.active = distributed and not synced
         self.done = False
@@ -867,20 +801,17 @@ class BatchNormWithoutSync(Rule):
                               "use SyncBatchNorm (`--sync-bn`)", review=True)
 
 
-_COLLECTIVES = {"barrier", "all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
-                "reduce", "gather", "scatter", "all_to_all", "reduce_scatter", "monitored_barrier"}
-_RANK_TEST = re.compile(r"(rank\b[^=]*==\s*0|rank\s+in\s*[\[(]|is_main_process\(\)|is_master|get_rank\(\)\s*==\s*0)")
-
-
 class CollectiveInRankBranch(Rule):
     """
     ## What it does
     Finds collective calls (`dist.barrier()`, `all_reduce`, `broadcast`, ... and the
-    runtime's `barrier`/`reduce_sum`) inside `if rank == 0:` / `if is_main_process():` blocks.
+    runtime's `barrier`/`reduce_sum`/`broadcast_object`) where not every rank reaches them:
+    inside `if rank == 0:` / `if is_main_process():` blocks, or in functions only called
+    from there.
 
     ## Why is this bad?
     Every rank must enter a collective. Inside a rank-0 branch only rank 0 does, and the
-    job hangs until the NCCL/gloo timeout.
+    job hangs until the NCCL/gloo timeout (or two ranks' collectives mismatch).
 
     ## Example
     ```python
@@ -906,22 +837,24 @@ class CollectiveInRankBranch(Rule):
         Flagged("import torch.distributed as dist\nif dist.get_rank() == 0:\n    dist.barrier()\n"),
         Flagged("from gpumigrate.runtime import is_main_process, reduce_sum\nif is_main_process():\n"
                 "    total = reduce_sum(total)\n"),
+        Flagged("import torch.distributed as dist\ndef sync():\n    dist.barrier()\n"
+                "if dist.get_rank() == 0:\n    sync()\n"),
         Clean("import torch.distributed as dist\nif dist.get_rank() == 0:\n    print('saved')\ndist.barrier()\n"),
         Clean("import torch.distributed as dist\nif epoch == 0:\n    dist.barrier()\n"),
     )
 
     def visit_Call(self, node: cst.Call) -> None:
-        qualified = self.qualify(node.func) or ""
-        name = qualified.rsplit(".", 1)[-1]
-        is_collective = (qualified.startswith("torch.distributed.") and name in _COLLECTIVES) or \
-            qualified in (f"{RUNTIME}.barrier", f"{RUNTIME}.reduce_sum", f"{RUNTIME}.reduce_mean")
-        if not is_collective:
+        model = script_model(self.ctx)
+        if not model.collective(node):
             return
-        for ancestor in self.ctx.ancestors:
-            if isinstance(ancestor, cst.If) and _RANK_TEST.search(self.ctx.module.code_for_node(ancestor.test)):
-                if any(n is node for n in findall(ancestor.body, m.Call())):
-                    self.report(node)
-                    return
+        plan = ddp_plan(self.ctx)
+        if plan.gated(node):
+            self.report(node)
+            return
+        fn = model.s.function(node)
+        if fn is not None and fn.callers and all(plan.gated(c) for c in fn.callers):
+            self.report(node, f"a collective in `{fn.name}()`, which only rank-0 branches call: the other ranks "
+                              "never reach it, and the job hangs")
 
 
 _SAFE_ATTRIBUTES = {
@@ -953,6 +886,7 @@ class WrappedAttribute(Rule):
     ```python
     hidden = unwrap_model(model).init_hidden(args.batch_size)
     ```
+    Only uses that run after the model is wrapped are rewritten.
     """
 
     code = "GM409"
@@ -970,41 +904,37 @@ class WrappedAttribute(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
+        self.plan = ddp_plan(self.ctx)
         if self.fixing:
-            self.models = set(ddp_analysis(self.ctx).models)
+            self.wrapped = self.plan.wrapped_reference
             return
-        wrappers = DATA_PARALLEL + ("torch.nn.parallel.DistributedDataParallel",
-                                    "torch.nn.parallel.distributed.DistributedDataParallel")
-        self.models = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call()))
-                       if self.qualify(a.value.func) in wrappers}
+        wrappers = DATA_PARALLEL + DDP_CLASSES
+        names = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())],
+                                                                            value=m.Call()))
+                 if self.qualify(a.value.func) in wrappers}
+        self.wrapped = lambda ref: isinstance(ref, cst.Name) and ref.value in names
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
-        if not (isinstance(original.value, cst.Name) and original.value.value in self.models) \
-                or original.attr.value in _SAFE_ATTRIBUTES or original.attr.value.startswith("__"):
+        attr = original.attr.value
+        if attr in _SAFE_ATTRIBUTES or attr.startswith("__") or not self.wrapped(original.value):
             return None
-        name = original.value.value
-        self.report(original, f"`{name}.{original.attr.value}` through a wrapped model raises AttributeError "
+        name = dotted(original.value)
+        self.report(original, f"`{name}.{attr}` through a wrapped model raises AttributeError "
                               f"under DDP (or saves `module.`-prefixed keys); use `unwrap_model({name})`")
-        func = _runtime(self.ctx, "unwrap_model") if self.fixing else cst.Name("unwrap_model")
-        return updated.with_changes(value=cst.Call(func=func, args=[cst.Arg(updated.value)]))
-
-
-_SAFE_CALLS = {"str", "int", "float", "len", "round", "abs", "min", "max", "sum", "repr", "format", "sorted", "list",
-               "tuple", "dict", "type", "isinstance", "getattr", "hasattr", "enumerate", "zip", "range", "any",
-               "all", "bool", "print", "unwrap_model", "get_rank", "get_world_size", "is_main_process"}
-_UNSAFE_METHODS = re.compile(r"^(train|test|eval|evaluate|validate|step|backward|run|fit|all_reduce|barrier|reduce.*)$")
-_LOG_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
+        return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
 
 
 class RankZeroOutput(_BlockRule):
     """
     ## What it does
-    Runs printing, logging and TensorBoard writing on rank 0 only, and turns progress bars
-    off on the other ranks (ddp migration).
+    Runs output on rank 0 only (ddp migration): printing, logging, `tqdm.write`, CSV and
+    TensorBoard writers, files the script opens for writing (the other ranks write to
+    `os.devnull`), `pickle.dump`, `os.makedirs`; progress bars are turned off on the other
+    ranks.
 
     ## Why is this bad?
     Under torchrun every line is printed N times, interleaved, and N processes write the
-    same TensorBoard files.
+    same files at once.
 
     ## Example
     ```python
@@ -1016,8 +946,8 @@ class RankZeroOutput(_BlockRule):
     if is_main_process():
         print(f"epoch {epoch} loss {loss:.4f}")
     ```
-    A print whose arguments call user code (which may train, or communicate) is left for
-    review rather than moved into a rank-0 branch.
+    An output statement whose arguments call code that may train or communicate is left
+    for review rather than moved into a rank-0 branch.
     """
 
     code = "GM410"
@@ -1025,112 +955,98 @@ class RankZeroOutput(_BlockRule):
     message = "output on every rank: print and log from rank 0 only"
     fixed_in = frozenset({"ddp"})
     lint = False
-    triggers = ("print", "log", "Writer", "tqdm")
+    triggers = ("print", "log", "Writer", "tqdm", "write", "dump", "save", "makedirs", "mkdir")
     examples = (
         Flagged(
-            "print('epoch', epoch)\nprint('done')\n",
-            fixed="from gpumigrate.runtime import is_main_process\n\nif is_main_process():\n"
-            "    print('epoch', epoch)\n    print('done')\n",
+            "import torch\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nmodel(x).sum().backward()\n"
+            "opt.step()\nprint('epoch', epoch)\nprint('done')\n",
         ),
         Clean("from gpumigrate.runtime import is_main_process\nif is_main_process():\n    print('epoch', epoch)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.writers = set(ddp_analysis(self.ctx).writers)
-        self.loggers = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call()))
-                        if self.qualify(a.value.func) == "logging.getLogger"}
+        self.plan = ddp_plan(self.ctx)
+        self.model = script_model(self.ctx)
 
-    def _output(self, stmt: cst.CSTNode) -> Optional[bool]:
-        """True: an output statement safe to move under rank 0; False: output calling user
-        code (review); None: not output."""
-        if not isinstance(stmt, cst.SimpleStatementLine) or not all(m.matches(s, m.Expr(m.Call())) for s in stmt.body):
-            return None
-        verdicts = [self._output_call(s.value) for s in stmt.body]
-        if any(v is None for v in verdicts):
-            return None
-        return all(verdicts)
+    def _verdict(self, stmt: cst.CSTNode) -> Optional[bool]:
+        if not isinstance(stmt, cst.SimpleStatementLine) or self.plan.saves_here(stmt):
+            return None  # saves: GM404
+        if id(stmt) in self.plan.gated_lines:
+            return True
+        return False if self.plan.output_line(stmt) is False else None
 
-    def _output_call(self, call: cst.Call) -> Optional[bool]:
-        func = call.func
-        qualified = self.qualify(func) or ""
-        is_output = (m.matches(func, m.Name("print"))
-                     or (qualified.startswith("logging.") and qualified.rsplit(".", 1)[1] in _LOG_METHODS)
-                     or (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name)
-                         and (func.value.value in self.writers
-                              or (func.value.value in self.loggers and func.attr.value in _LOG_METHODS))))
-        if not is_output:
+    def leave_SimpleStatementLine(self, original, updated):
+        if not self.plan.active:
             return None
-        return all(self._safe(c) for c in findall(cst.Tuple([cst.Element(a.value) for a in call.args]) if call.args
-                                                     else cst.Tuple([]), m.Call()))
+        verdict = self._verdict(original)
+        if verdict is False:
+            self.report(original, "output that calls code which may train or communicate: left on every rank; "
+                                  "move the call out and print its result on rank 0", review=True)
+        if verdict is not True:
+            return None
+        self.report(original)
+        guard = _guard(self.ctx, [updated])
+        self.ctx.shared("rank-zero-gates", lambda ctx: set()).add(id(guard))
+        return guard
 
-    def _safe(self, call: cst.Call) -> bool:
-        func = call.func
-        if isinstance(func, cst.Name):
-            return func.value in _SAFE_CALLS
-        if isinstance(func, cst.Attribute):
-            qualified = self.qualify(func) or ""
-            if qualified.startswith(("math.", "time.", "os.", "datetime.", "json.")):
-                return True
-            return not _UNSAFE_METHODS.match(func.attr.value)
-        return False
+    def leave_With(self, original: cst.With, updated: cst.With):
+        if not self.plan.active or id(original) not in self.plan.gated_withs or self.plan.gated_with_saves(original):
+            return None
+        self.report(original, "a file written on every rank: written on rank 0 only")
+        guard = _guard(self.ctx, [updated])
+        self.ctx.shared("rank-zero-gates", lambda ctx: set()).add(id(guard))
+        return guard
 
     def _block(self, original_body, updated_body):
-        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
-        if _is_main_guard(parent, self.ctx.names) or not training_script(self.ctx):
+        """Join consecutive gates this run made into one `if is_main_process():` block
+        (also onto a checkpoint's gate just before)."""
+        ours = self.ctx.shared("rank-zero-gates", lambda ctx: set())
+        if not ours or not any(id(s) in ours for s in updated_body):
             return None
-        for stmt in original_body:
-            verdict = self._output(stmt)
-            if verdict is True:
-                self.report(stmt)
-            elif verdict is False:
-                self.report(stmt, "output that calls user code: left on every rank; move the call out and "
-                                  "print its result on rank 0", review=True)
-        out, run, changed = [], [], False
-        for stmt in [*updated_body, None]:
-            if stmt is not None and self._output(stmt) is True:
-                run.append(stmt)
+        out: List[cst.BaseStatement] = []
+        for stmt in updated_body:
+            previous = out[-1] if out else None
+            if id(stmt) in ours and _is_main_guard(previous) and previous.orelse is None \
+                    and not stmt.leading_lines and id(previous) in ours:
+                merged = previous.with_changes(body=previous.body.with_changes(
+                    body=[*previous.body.body, *stmt.body.body]))
+                ours.add(id(merged))
+                out[-1] = merged
                 continue
-            if run:
-                previous = out[-1] if out else None
-                if _is_main_guard(previous, self.ctx.names) and previous.orelse is None \
-                        and not run[0].leading_lines:
-                    # join the rank-0 block just before (e.g. a checkpoint save)
-                    out[-1] = previous.with_changes(body=previous.body.with_changes(
-                        body=[*previous.body.body, *run]))
-                else:
-                    out.append(_guard(self.ctx, run))
-                run, changed = [], True
-            if stmt is not None:
-                out.append(stmt)
-        return out if changed and self.fixing else None
-
+            out.append(stmt)
+        return out if len(out) != len(updated_body) else None
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
-        qualified = self.qualify(original.func) or ""
-        if not qualified or not training_script(self.ctx):
+        if not self.plan.active:
             return None
-        if qualified in ("tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm") and get_arg(original, "disable") is None:
+        qualified = self.qualify(original.func) or ""
+        if qualified in ("tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm", "tqdm.trange") \
+                and get_arg(original, "disable") is None:
             self.report(original, "progress bar on every rank: shown on rank 0 only")
-            test = cst.UnaryOperation(operator=cst.Not(), expression=_main_process_test(self.ctx))
+            test = cst.UnaryOperation(operator=cst.Not(), expression=_call(self.ctx, "is_main_process"))
             return with_args(updated, [*updated.args, keyword_arg("disable", test)])
         parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
         if qualified.endswith("SummaryWriter") and isinstance(parent, cst.Assign):
             self.report(original, "TensorBoard writer on every rank: created on rank 0 only")
-            return cst.IfExp(test=_main_process_test(self.ctx), body=updated, orelse=cst.Name("None"))
+            return cst.IfExp(test=_call(self.ctx, "is_main_process"), body=updated, orelse=cst.Name("None"))
+        if id(original) in self.plan.devnull_opens:
+            path = updated.args[0]
+            self.report(original, "a file written on every rank: the other ranks write to os.devnull")
+            if self.fixing:
+                self.ctx.add_import("os")
+            value = cst.IfExp(test=_call(self.ctx, "is_main_process"), body=path.value,
+                              orelse=cst.parse_expression("os.devnull"))
+            return updated.with_changes(args=[path.with_changes(value=value), *updated.args[1:]])
         return None
-
-
-_PER_RANK = {"tempfile.mkdtemp", "tempfile.mktemp", "uuid.uuid1", "uuid.uuid4", "time.time", "time.strftime",
-             "time.asctime", "datetime.datetime.now", "datetime.datetime.today", "datetime.date.today",
-             "socket.gethostname", "os.getpid"}
 
 
 class PerRankValue(Rule):
     """
     ## What it does
-    Makes values that differ per process agree (ddp migration): a run directory from
-    `tempfile.mkdtemp()`, a timestamp or a uuid is taken from rank 0 with
-    `broadcast_object`.
+    Makes values that differ per process and name things agree (ddp migration): a run
+    directory from `tempfile.mkdtemp()` or a random number, a timestamped file name or a
+    uuid is taken from rank 0 with `broadcast_object`, where every rank computes it. Timings
+    (`time.time()` differences) are per-process on purpose and left alone.
 
     ## Why is this bad?
     Under torchrun every rank computes its own value: rank 0 saves a checkpoint into its
@@ -1152,24 +1068,28 @@ class PerRankValue(Rule):
     message = "a value that differs per process: every rank must use rank 0's"
     fixed_in = frozenset({"ddp"})
     lint = False
-    triggers = ("tempfile", "uuid", "time", "datetime", "socket", "getpid")
+    triggers = ("tempfile", "uuid", "time", "datetime", "socket", "getpid", "random")
     examples = (
         Flagged(
-            "import tempfile\nrun_dir = tempfile.mkdtemp()\nfor epoch in range(2):\n    save(run_dir, epoch)\n",
-            fixed="import tempfile\nfrom gpumigrate.runtime import broadcast_object\n\n"
-            "run_dir = broadcast_object(tempfile.mkdtemp())\nfor epoch in range(2):\n    save(run_dir, epoch)\n",
+            "import tempfile, torch\nrun_dir = tempfile.mkdtemp()\nopt = torch.optim.SGD(model.parameters(), lr=1)\n"
+            "for epoch in range(2):\n    model(x).sum().backward()\n    opt.step()\n    save(run_dir, epoch)\n",
         ),
         Clean("import tempfile\nrun_dir = tempfile.gettempdir()\n"),
     )
 
+    def visit_Module(self, node: cst.Module) -> None:
+        self.plan = ddp_plan(self.ctx)
+
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
-        calls = [c for c in findall(original.value, m.Call()) if self.qualify(c.func) in _PER_RANK]
-        if not calls or not training_script(self.ctx) or m.matches(original.value, m.Call(func=m.Name("broadcast_object"))):
+        if not self.plan.active:
             return None
-        if any(isinstance(a, (cst.For, cst.While)) for a in self.ctx.ancestors):
-            self.report(original.value, "a value that differs per process, computed in a loop: make the ranks "
-                                        "agree on it (broadcast_object) outside the loop", review=True)
+        decision = self.plan.broadcasts.get(id(original))
+        if decision is None:
+            return None
+        if decision is False:
+            self.report(original.value, "a per-process value names files here, but not every rank reaches this "
+                                        "line equally often (a helper, a branch or a loop on rank-local values): "
+                                        "make the ranks agree on it by hand", review=True)
             return None
         self.report(original.value)
-        func = _runtime(self.ctx, "broadcast_object") if self.fixing else cst.Name("broadcast_object")
-        return updated.with_changes(value=cst.Call(func=func, args=[cst.Arg(updated.value)]))
+        return updated.with_changes(value=_call(self.ctx, "broadcast_object", [cst.Arg(updated.value)], self.fixing))

@@ -1,63 +1,29 @@
-"""Small shared pieces for rules: arguments by keyword or position, node builders."""
+"""Small shared pieces for rules that write code: node builders, statement removal, the names
+the rewritten script uses for runtime helpers. (Reading helpers: analysis/syntax.py.)"""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Sequence
 
 import libcst as cst
-import libcst.matchers as m
 
-from gpumigrate.rewriter.engine import CURRENT
-
-
-def get_arg(call: cst.Call, keyword: str, position: Optional[int] = None) -> Optional[cst.Arg]:
-    """The argument `keyword`, passed by name or (if `position` is given) positionally."""
-    positional: Optional[int] = 0
-    for arg in call.args:
-        if arg.keyword is not None:
-            if arg.keyword.value == keyword:
-                return arg
-        elif arg.star == "*":
-            positional = None  # *args hides the positions after it
-        elif arg.star == "**":
-            continue
-        elif positional is not None:
-            if positional == position:
-                return arg
-            positional += 1
-    return None
-
-
-def positional_args(call: cst.Call) -> Sequence[cst.Arg]:
-    return [a for a in call.args if a.keyword is None and not a.star]
-
-
-def is_method_call(node: cst.CSTNode, *names: str) -> bool:
-    """`<expr>.name(...)` for one of `names`."""
-    return (
-        isinstance(node, cst.Call)
-        and isinstance(node.func, cst.Attribute)
-        and node.func.attr.value in names
-    )
-
-
-def literal_int(node: Optional[cst.BaseExpression]) -> Optional[int]:
-    if isinstance(node, cst.Integer):
-        return int(node.evaluated_value)
-    return None
-
-
-def literal_str(node: Optional[cst.BaseExpression]) -> Optional[str]:
-    if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) else None
-    return None
-
-
-def literal_bool(node: Optional[cst.BaseExpression]) -> Optional[bool]:
-    if isinstance(node, cst.Name) and node.value in ("True", "False"):
-        return node.value == "True"
-    return None
+from gpumigrate.analysis.syntax import (  # noqa: F401  (re-exported: rules read and write code)
+    device_kind,
+    enclosing,
+    findall,
+    get_arg,
+    is_method_call,
+    last_name,
+    literal_bool,
+    literal_int,
+    literal_str,
+    loop_index,
+    moves_to,
+    positional_args,
+    same_code,
+    statements,
+    walk,
+)
 
 
 def with_args(call: cst.Call, args: Sequence[cst.Arg]) -> cst.Call:
@@ -93,23 +59,6 @@ def call_method(receiver: cst.BaseExpression, method: str, args: Sequence[cst.Ar
     return cst.Call(func=cst.Attribute(value=receiver, attr=cst.Name(method)), args=list(args))
 
 
-def enclosing(ancestors: Sequence[cst.CSTNode], kind: type) -> Optional[cst.CSTNode]:
-    for node in reversed(ancestors):
-        if isinstance(node, kind):
-            return node
-    return None
-
-
-def walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
-    """Every node under `node` (pre-order), without the cost of a visitor class."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        yield current
-        stack.extend(reversed(current.children))
-
-
-
 def remove_statement(ctx, line: cst.SimpleStatementLine):
     """Drop a statement line, keeping the blank lines and comments above it; a line that
     carries a trailing comment keeps it on a `pass`."""
@@ -118,13 +67,43 @@ def remove_statement(ctx, line: cst.SimpleStatementLine):
     return ctx.remove_statement(line)
 
 
-def same_code(a: cst.CSTNode, b: cst.CSTNode) -> bool:
-    """Equal up to whitespace and parentheses."""
-    render = cst.Module(body=[]).code_for_node
-    return "".join(render(a).split()).strip("()") == "".join(render(b).split()).strip("()")
+RUNTIME = "gpumigrate.runtime"
 
 
-def findall(root: cst.CSTNode, matcher) -> list:
-    """`libcst.matchers.findall`, answered from the file's node index when it can be."""
-    ctx = CURRENT.get()
-    return ctx.find(root, matcher) if ctx is not None else m.findall(root, matcher)
+def runtime_name(ctx, name: str, fixing: bool = True) -> cst.Name:
+    """How the rewritten script calls the runtime's `name`, importing it when `fixing`.
+    A script that defines a `wrap_model` of its own gets ours as `gm_wrap_model`, so neither
+    shadows the other."""
+    full = f"{RUNTIME}.{name}"
+    for local, qualified in ctx.names.local.items():
+        if qualified == full:
+            return cst.Name(local)  # imported already (a second run)
+    taken = ctx.shared("identifiers", lambda c: _identifiers(c))
+    local = name
+    if name in taken:
+        local = fresh_name(ctx, f"gm_{name}")
+    if fixing:
+        ctx.add_import(RUNTIME, name, local if local != name else None)
+    return cst.Name(local)
+
+
+def fresh_name(ctx, base: str) -> str:
+    """`base`, or `base2`, `base3`... whichever the script does not use anywhere."""
+    taken = ctx.shared("identifiers", lambda c: _identifiers(c))
+    reserved = ctx.shared("fresh-names", lambda c: {})
+    if base in reserved:
+        return reserved[base]
+    name, n = base, 1
+    while name in taken or name in reserved.values():
+        n += 1
+        name = f"{base}{n}"
+    reserved[base] = name
+    return name
+
+
+def _identifiers(ctx) -> set:
+    from gpumigrate.analysis import script_model  # analysis builds on the engine, as helpers do
+
+    return script_model(ctx).s.identifiers()
+
+

@@ -1,4 +1,4 @@
-"""The PyTorch 0.4 API migration and later removals: GM201-GM208.
+"""The PyTorch 0.4 API migration and later removals: GM201-GM209 (GM204 reports only).
 
 Scripts from 2017-2018 use idioms that today's torch rejects or silently changes:
 `loss.data[0]` on a 0-dim tensor raises, `Variable` is a no-op whose `volatile` flag is
@@ -14,8 +14,10 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 import libcst.matchers as m
 
+from gpumigrate.analysis import script_model
+from gpumigrate.analysis import values as v
+from gpumigrate.analysis.structure import target_names
 from gpumigrate.codemods.base import Clean, Flagged, Rule
-from gpumigrate.codemods.graph import loss_analysis, scope_of
 from gpumigrate.codemods.helpers import (
     enclosing,
     findall,
@@ -48,7 +50,9 @@ def _index_zero(node: cst.Subscript) -> bool:
 class DataIndexScalar(Rule):
     """
     ## What it does
-    Finds `loss.data[0]`, the pre-0.4 way to read a Python number from a scalar loss.
+    Finds `loss.data[0]`, the pre-0.4 way to read a Python number from a scalar loss, and
+    `x[0]` on a value that is provably 0-dim (a criterion's result, also unpacked from a
+    tuple; a full reduction such as `(pred == y).sum()`; arithmetic on these).
 
     ## Why is this bad?
     Since PyTorch 0.4 a loss is a 0-dim tensor: indexing it raises "invalid index of a 0-dim
@@ -63,14 +67,14 @@ class DataIndexScalar(Rule):
     ```python
     print(loss.item())
     ```
-    `t.data[0]` on a tensor that is not known to be a scalar is reported for review.
+    `t.data[0]` on a tensor that is not known to be 0-dim is reported for review.
     """
 
     code = "GM201"
     name = "data-index-scalar"
     message = "`.data[0]` on a 0-dim tensor raises since torch 0.4; use `.item()`"
     fixed_in = frozenset({"device"})
-    triggers = (".data[",)
+    triggers = ("[0]",)
     examples = (
         Flagged(
             "import torch.nn.functional as F\nloss = F.nll_loss(out, y)\nprint(loss.data[0])\n",
@@ -80,26 +84,51 @@ class DataIndexScalar(Rule):
             "import torch.nn.functional as F\ntotal += F.nll_loss(out, y, reduction='sum').data[0]\n",
             fixed="import torch.nn.functional as F\ntotal += F.nll_loss(out, y, reduction='sum').item()\n",
         ),
+        Flagged(
+            "import torch\nimport torch.nn.functional as F\ndef criterion(o, y):\n    return F.mse_loss(o, y), F.l1_loss(o, y)\n"
+            "out, y = torch.randn(4), torch.randn(4)\nloss_l, loss_c = criterion(out, y)\nprint(loss_l.data[0])\n"
+            "correct = (out.argmax() == y.argmax()).sum()\nn = correct[0]\n",
+            fixed="import torch\nimport torch.nn.functional as F\ndef criterion(o, y):\n    return F.mse_loss(o, y), F.l1_loss(o, y)\n"
+            "out, y = torch.randn(4), torch.randn(4)\nloss_l, loss_c = criterion(out, y)\nprint(loss_l.item())\n"
+            "correct = (out.argmax() == y.argmax()).sum()\nn = correct.item()\n",
+        ),
         Flagged("first = output.data[0]\n"),  # not known to be a scalar: review
         Flagged("loss.data[0] = 1.0\n"),  # a write: review, never `loss.item() = 1.0`
         Clean("print(loss.item())\nrow = batch[0]\n"),
     )
 
+    @property
+    def model(self):
+        return script_model(self.ctx)
+
+    @property
+    def accumulated(self):
+        return accumulated_data(self.ctx)  # GM207's: `total += loss.data` ... `total[0]`
+
     def leave_Subscript(self, original: cst.Subscript, updated: cst.Subscript) -> Optional[cst.BaseExpression]:
-        if not (_is_data_attr(original.value) and _index_zero(original)):
+        if not _index_zero(original):
             return None
-        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
-        if isinstance(parent, (cst.AssignTarget, cst.AugAssign, cst.Del)) and \
-                (getattr(parent, "target", None) is original):
+        if not _is_data_attr(original.value):
+            value = original.value
+            if isinstance(value, cst.Name) and value.value not in self.accumulated and \
+                    not self._written(original) and self.model.zero_dim(value):
+                self.report(original, f"`{value.value}[0]` on a 0-dim tensor raises since torch 0.4; use `.item()`")
+                return call_method(updated.value, "item").with_changes(lpar=updated.lpar, rpar=updated.rpar)
+            return None
+        if self._written(original):
             self.report(original, "`.data[0] = ...` writes into a tensor: index the tensor itself "
                                   "under `torch.no_grad()`", review=True)
             return None
         tensor = original.value.value
-        if not loss_analysis(self.ctx).is_scalar(tensor, scope_of(self.ctx.ancestors)):
+        if not (self.model.zero_dim(tensor) or self.model.is_loss(tensor)):
             self.report(original, "`.data[0]`: use `.item()` if this is a scalar, `.detach()[0]` if not", review=True)
             return None
         self.report(original)
         return call_method(updated.value.value, "item").with_changes(lpar=updated.lpar, rpar=updated.rpar)
+
+    def _written(self, node: cst.Subscript) -> bool:
+        parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+        return isinstance(parent, (cst.AssignTarget, cst.AugAssign, cst.Del)) and getattr(parent, "target", None) is node
 
 
 class VariableWrapper(Rule):
@@ -190,28 +219,6 @@ def _atomic(node: cst.BaseExpression) -> bool:
                              cst.Integer, cst.Float, cst.List, cst.Tuple, cst.Dict)) or bool(getattr(node, "lpar", None))
 
 
-_NO_GRAD = ("torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "torch.set_grad_enabled")
-
-
-def under_no_grad(ctx, ancestors) -> bool:
-    """Is the code at `ancestors` already inside `torch.no_grad()`/`inference_mode()`?"""
-    for node in ancestors:
-        items = []
-        if isinstance(node, cst.With):
-            items = [item.item for item in node.items]
-        elif isinstance(node, cst.FunctionDef):
-            items = [d.decorator for d in node.decorators]
-        for item in items:
-            func = item.func if isinstance(item, cst.Call) else item
-            if ctx.names.qualify(func) in _NO_GRAD:
-                return True
-    return False
-
-
-def calls_backward(node: cst.CSTNode) -> bool:
-    return bool(findall(node, m.Call(func=m.Attribute(attr=m.Name("backward")))))
-
-
 def has_no_grad_decorator(func: cst.FunctionDef) -> bool:
     """Spelled any way (the import may be one this run adds, unknown to the import table)."""
     render = cst.Module(body=[]).code_for_node
@@ -219,24 +226,158 @@ def has_no_grad_decorator(func: cst.FunctionDef) -> bool:
                for d in func.decorators)
 
 
+def _no_grad_call(ctx) -> cst.BaseExpression:
+    local = ctx.names.local_name_for("torch.no_grad")
+    if local is None:
+        ctx.add_import("torch")
+        local = "torch.no_grad"
+    return cst.parse_expression(f"{local}()")
+
+
 def no_grad_decorator(ctx) -> cst.Decorator:
-    local = ctx.names.local_name_for("torch.no_grad")
-    if local is None:
-        ctx.add_import("torch")
-        local = "torch.no_grad"
-    return cst.Decorator(decorator=cst.parse_expression(f"{local}()"))
+    return cst.Decorator(decorator=_no_grad_call(ctx))
 
 
-def no_grad_with(ctx, stmt: cst.BaseStatement) -> cst.With:
-    local = ctx.names.local_name_for("torch.no_grad")
-    if local is None:
-        ctx.add_import("torch")
-        local = "torch.no_grad"
-    return cst.With(
-        items=[cst.WithItem(cst.parse_expression(f"{local}()"))],
-        body=cst.IndentedBlock(body=[stmt.with_changes(leading_lines=[])]),
-        leading_lines=stmt.leading_lines,
-    )
+def no_grad_with(ctx, stmts) -> cst.With:
+    """`with torch.no_grad():` around statements (one, or a run of a block), the first one's
+    comments and blank lines moved above the `with`."""
+    stmts = list(stmts) if isinstance(stmts, (list, tuple)) else [stmts]
+    body = ctx.drop_removed(stmts) or stmts
+    leading = stmts[0].leading_lines
+    body = [body[0].with_changes(leading_lines=[]) if body[0] is stmts[0] else body[0], *body[1:]]
+    return cst.With(items=[cst.WithItem(_no_grad_call(ctx))], body=cst.IndentedBlock(body=body),
+                    leading_lines=leading)
+
+
+class _VolatilePlan:
+    """Where each `Variable(x, volatile=True)` puts `torch.no_grad()`: around exactly the
+    statements that compute from the volatile values (a generation loop included), never
+    around code that reaches `.backward()`, directly or through a call."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.model = model = script_model(ctx)
+        s = model.s
+        self.decorate: Set[int] = set()  # functions: evaluation only, `@torch.no_grad()`
+        self.lambdas: Set[int] = set()  # lambdas whose own body computes: `torch.no_grad()(lambda ...)`
+        self.ranges: Dict[int, List[Tuple[int, int]]] = {}  # id(block) -> [(first, last)] line indices
+        self.verdicts: Dict[int, Optional[str]] = {}  # id(call) -> None (fixed) or why not
+        sources: List[Tuple[cst.Call, cst.CSTNode]] = []
+        for node in s.index.order:
+            if not isinstance(node, cst.Call) or ctx.names.qualify(node.func) not in VARIABLE:
+                continue
+            volatile = get_arg(node, "volatile")
+            if volatile is None or literal_bool(volatile.value) is not True:
+                continue
+            if model.under_no_grad(node):
+                self.verdicts[id(node)] = None
+                continue
+            fn = s.function(node)
+            if fn is not None and isinstance(fn.node, cst.Lambda):
+                if fn.node.body is node and fn.callers:
+                    sources.extend((node, site) for site in fn.callers)  # `ev = lambda x: Variable(x, ...)`
+                else:
+                    self.lambdas.add(id(fn.node))
+                self.verdicts[id(node)] = None
+                continue
+            if fn is not None and not model.function_trains(fn):
+                self.decorate.add(id(fn.node))
+                self.verdicts[id(node)] = None
+                continue
+            sources.append((node, node))
+        for call, site in sources:
+            fn = s.function(site)
+            if site is not call and fn is not None and isinstance(fn.node, cst.FunctionDef) \
+                    and not model.function_trains(fn):
+                self.decorate.add(id(fn.node))  # a call of `ev = lambda x: Variable(x, volatile=True)`
+                continue
+            why = self._range(site)
+            if self.verdicts.get(id(call), None) is None or why is not None:
+                self.verdicts[id(call)] = why
+        self._drop_nested()
+
+    def _range(self, site: cst.CSTNode) -> Optional[str]:
+        s = self.model.s
+        line = s.line(site)
+        block = s.block(line) if line is not None else None
+        if block is None:
+            return "a one-line block: wrap it in `with torch.no_grad():` by hand"
+        body = list(block.body)
+        first = last = body.index(line)
+        tainted = set(self._bound(line))
+        for k in range(first + 1, len(body)):
+            if self._reads(body[k], tainted):
+                last = k
+                tainted |= self._bound(body[k])
+        if any(self.model.trains(body[k]) for k in range(first, last + 1)):
+            return ("the volatile values are used by code that also trains: wrap only its evaluation part in "
+                    "`with torch.no_grad():` by hand")
+        spans = self.ranges.setdefault(id(block), [])
+        spans.append((first, last))
+        spans.sort()
+        merged: List[Tuple[int, int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+            else:
+                merged.append((a, b))
+        self.ranges[id(block)] = merged
+        return None
+
+    def _drop_nested(self) -> None:
+        """A range inside another range, or inside a function that gets `@torch.no_grad()`,
+        is already covered."""
+        s = self.model.s
+        covered = [(block, first, last) for block, spans in self.ranges.items() for first, last in spans]
+        blocks = {id(n): n for n in s.index.order if id(n) in self.ranges}
+        for block_id in list(self.ranges):
+            block = blocks[block_id]
+            for ancestor in s.ancestors(block):
+                if id(ancestor) in self.decorate:
+                    del self.ranges[block_id]
+                    break
+                parent = s.parent(ancestor)
+                if id(parent) in self.ranges and isinstance(ancestor, (cst.SimpleStatementLine,
+                                                                          cst.BaseCompoundStatement)):
+                    k = list(parent.body).index(ancestor)
+                    if any(a <= k <= b for a, b in self.ranges[id(parent)]):
+                        del self.ranges[block_id]
+                        break
+
+    def covers(self, node: cst.CSTNode) -> bool:
+        """Will `node` run under a `no_grad` this plan adds?"""
+        s = self.model.s
+        for ancestor in [node, *s.ancestors(node)]:
+            if id(ancestor) in self.decorate:
+                return True
+            parent = s.parent(ancestor)
+            if parent is not None and id(parent) in self.ranges:
+                body = list(parent.body)
+                if ancestor in body and any(a <= body.index(ancestor) <= b for a, b in self.ranges[id(parent)]):
+                    return True
+        return False
+
+    def _bound(self, stmt: cst.CSTNode) -> Set[str]:
+        names: Set[str] = set()
+        for node in self.model.s.index.subtree(stmt):
+            if isinstance(node, cst.AssignTarget):
+                names.update(target_names(node.target))
+            elif isinstance(node, (cst.AugAssign, cst.AnnAssign, cst.For)):
+                names.update(target_names(node.target))
+        return names
+
+    def _reads(self, stmt: cst.CSTNode, names: Set[str]) -> bool:
+        skip = set()
+        for node in self.model.s.index.subtree(stmt):
+            if isinstance(node, cst.Attribute):
+                skip.add(id(node.attr))
+            elif isinstance(node, cst.Name) and node.value in names and id(node) not in skip:
+                return True
+        return False
+
+
+def volatile_plan(ctx) -> _VolatilePlan:
+    return ctx.shared("volatile-plan", _VolatilePlan)
 
 
 class VolatileFlag(Rule):
@@ -262,6 +403,11 @@ class VolatileFlag(Rule):
         for data, target in test_loader:
             data = data
     ```
+    In a function that does not train, the whole function runs under `no_grad`. Elsewhere
+    (module-level code, a training loop), exactly the statements that compute from the
+    volatile values do, up to the last one that uses them; the calls of
+    `ev = lambda x: Variable(x, volatile=True)` likewise. Code that reaches `.backward()` is
+    never put under `no_grad`: such a case is left for review.
     """
 
     code = "GM203"
@@ -275,15 +421,23 @@ class VolatileFlag(Rule):
             fixed="import torch\n@torch.no_grad()\ndef test(x):\n    return model(x)\n",
         ),
         Flagged(
-            "import torch\nfor x in xs:\n    y = model(torch.autograd.Variable(x, volatile=True))\n",
-            fixed="import torch\nwith torch.no_grad():\n    for x in xs:\n        y = model(x)\n",
+            "import torch\nh = torch.autograd.Variable(torch.zeros(1, 8), volatile=True)\nfor step in range(9):\n"
+            "    h = rnn(x, h)\nprint(h)\n",
+            fixed="import torch\nwith torch.no_grad():\n    h = torch.zeros(1, 8)\n    for step in range(9):\n"
+            "        h = rnn(x, h)\n    print(h)\n",
+        ),
+        Flagged(
+            "import torch\nfrom torch.autograd import Variable\nfor epoch in range(2):\n"
+            "    loss = model(x).sum()\n    loss.backward()\n    out = model(Variable(x, volatile=True))\n"
+            "    print(out.sum())\n",
+            fixed="import torch\nfor epoch in range(2):\n    loss = model(x).sum()\n    loss.backward()\n"
+            "    with torch.no_grad():\n        out = model(x)\n        print(out.sum())\n",
         ),
         Clean("import torch\nx = Variable(x, volatile=False)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.functions: Set[int] = set()
-        self.statements: Set[int] = set()
+        self.plan = volatile_plan(self.ctx)
 
     def visit_Call(self, node: cst.Call) -> None:
         if self.qualify(node.func) not in VARIABLE:
@@ -295,32 +449,41 @@ class VolatileFlag(Rule):
             self.report(node, "`volatile=<flag>` has no effect since torch 0.4; run the code path where it "
                               "is true under `torch.no_grad()`", review=True)
             return
-        if under_no_grad(self.ctx, self.ctx.ancestors):
+        why = self.plan.verdicts.get(id(node))
+        if why is not None:
+            self.report(node, f"`volatile=True` has no effect since torch 0.4; {why}", review=True)
+        elif script_model(self.ctx).under_no_grad(node):
             self.report(node, "`volatile=True` has no effect since torch 0.4 (already under no_grad here)")
-            return
-        func = enclosing(self.ctx.ancestors, cst.FunctionDef)
-        if func is not None and calls_backward(func):
-            self.report(node, "`volatile=True` has no effect; this function also trains: wrap its "
-                              "evaluation part in `with torch.no_grad():`", review=True)
-            return
-        self.report(node)
-        if func is not None:
-            self.functions.add(id(func))
         else:
-            top = self.ctx.ancestors[1]  # the module-level statement holding the call
-            self.statements.add(id(top))
+            self.report(node)
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
-        if id(original) not in self.functions or has_no_grad_decorator(updated):
+        if id(original) not in self.plan.decorate or has_no_grad_decorator(updated):
             return None
         return updated.with_changes(decorators=[*updated.decorators, no_grad_decorator(self.ctx)])
 
-    def _wrap(self, original, updated):
-        if id(original) not in self.statements or len(self.ctx.ancestors) != 1:
+    def leave_Lambda(self, original: cst.Lambda, updated: cst.Lambda):
+        if id(original) not in self.plan.lambdas:
             return None
-        return no_grad_with(self.ctx, updated)
+        # each call of the lambda runs under no_grad (no_grad() decorates any callable)
+        return cst.Call(func=_no_grad_call(self.ctx), args=[cst.Arg(updated)])
 
-    leave_For = leave_While = leave_If = leave_SimpleStatementLine = _wrap
+    def _block(self, original, updated):
+        spans = self.plan.ranges.get(id(original))
+        if not spans:
+            return None
+        body = list(updated.body)
+        for first, last in reversed(spans):
+            where = self.ctx.span_of(original.body[first:last + 1], body)
+            if where is None:
+                continue
+            self.report(original.body[first], "statements computing from volatile values: run under "
+                        "`torch.no_grad()`", through=original.body[last])
+            a, b = where
+            body[a:b] = [no_grad_with(self.ctx, body[a:b])]
+        return updated.with_changes(body=body)
+
+    leave_IndentedBlock = leave_Module = _block
 
 
 class AsyncKwarg(Rule):
@@ -502,24 +665,8 @@ class DataAccumulatorIndex(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        accumulated = {
-            aug.target.value
-            for aug in findall(node, m.AugAssign(target=m.Name(), operator=m.AddAssign()))
-            if self._data_leaves(aug.value)
-        }
-        indexed = {
-            sub.value.value for sub in findall(node, m.Subscript(value=m.Name())) if _index_zero(sub)
-        }
-        self.names = accumulated & indexed
+        self.names = accumulated_data(self.ctx)
 
-    @staticmethod
-    def _data_leaves(value: cst.BaseExpression) -> List[cst.Attribute]:
-        """`.data` reads that are the value itself or an operand of arithmetic."""
-        if _is_data_attr(value):
-            return [value]
-        if isinstance(value, cst.BinaryOperation):
-            return DataAccumulatorIndex._data_leaves(value.left) + DataAccumulatorIndex._data_leaves(value.right)
-        return []
 
     def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
         if not (isinstance(original.target, cst.Name) and original.target.value in self.names):
@@ -532,6 +679,95 @@ class DataAccumulatorIndex(Rule):
             self.report(original)
             return updated.value.with_changes(lpar=updated.lpar, rpar=updated.rpar)
         return None
+
+
+class ScalarMetricAccumulation(Rule):
+    """
+    ## What it does
+    Finds 0-dim metric tensors added into Python numbers in scripts written for torch 0.3:
+    `correct += pred.eq(target).sum()`.
+
+    ## Why is this bad?
+    Before 0.4, `.sum()` of a tensor returned a Python number; now it returns a 0-dim tensor,
+    so `correct` silently becomes a tensor: logs and CSV files show `tensor(87)`, and on a GPU
+    every use synchronises.
+
+    ## Example
+    ```python
+    correct = 0
+    correct += pred.eq(target).sum()
+    ```
+
+    ## Use instead
+    ```python
+    correct += pred.eq(target).sum().item()
+    ```
+    Only in 0.3-era scripts (they use `Variable`, `volatile` or `.data[0]`), and only for a
+    total that starts as a number and is never used as a tensor.
+    """
+
+    code = "GM209"
+    name = "scalar-metric-accumulation"
+    message = "a 0-dim tensor added into a number: it was a Python number before torch 0.4; use `.item()`"
+    fixed_in = frozenset({"device"})
+    triggers = ("+=",)
+    examples = (
+        Flagged(
+            "from torch.autograd import Variable\ncorrect = 0\nfor x, y in loader:\n"
+            "    correct += (model(Variable(x)).argmax(1) == y).sum()\nprint(correct)\n",
+            fixed="correct = 0\nfor x, y in loader:\n    correct += (model(x).argmax(1) == y).sum().item()\nprint(correct)\n",
+        ),
+        Clean("correct = 0\nfor x, y in loader:\n    correct += (model(x).argmax(1) == y).sum()\nprint(correct.item())\n"),
+        Clean("from torch.autograd import Variable\ncorrect = 0\nfor x, y in loader:\n"
+              "    correct += (model(x).argmax(1) == y).sum()\nacc = correct.float() / n\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.model = script_model(self.ctx)
+        self.active = self.model.era_03
+
+    def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
+        if not self.active or not isinstance(original.operator, cst.AddAssign) or \
+                not isinstance(original.target, cst.Name):
+            return None
+        if self.model.kind(original.value) != v.SCALAR or original.target.value in accumulated_data(self.ctx) \
+                or any(_index_zero(sub) for sub in findall(original.value, m.Subscript())):
+            return None  # `.data` totals and `.data[0]` are GM207's and GM201's
+        name = original.target.value
+        s = self.model.s
+        scope = s.scope(original)
+        _, bindings = s.lookup(name, scope, s.order(original))
+        starts = [b for b in bindings if b.how == "assign"]
+        if not starts or not all(isinstance(b.value, (cst.Integer, cst.Float)) for b in starts):
+            return None
+        found, _ = s.lookup(name, scope)
+        for node in s.index.order:
+            if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == name \
+                    and s.lookup(name, s.scope(node))[0] is found:
+                return None  # `correct.float()`, `correct.item()`: used as a tensor
+        self.report(original.value)
+        return updated.with_changes(value=call_method(updated.value, "item"))
+
+
+def _data_leaves(value: cst.BaseExpression) -> List[cst.Attribute]:
+    """`.data` reads that are the value itself or an operand of arithmetic."""
+    if _is_data_attr(value):
+        return [value]
+    if isinstance(value, cst.BinaryOperation):
+        return _data_leaves(value.left) + _data_leaves(value.right)
+    return []
+
+
+def accumulated_data(ctx) -> Set[str]:
+    """Names that accumulate `.data` (`total_loss += loss.data`) and are read with `[0]`."""
+    def build(ctx) -> Set[str]:
+        module = ctx.module
+        accumulated = {aug.target.value for aug in findall(module, m.AugAssign(target=m.Name(), operator=m.AddAssign()))
+                       if _data_leaves(aug.value)}
+        indexed = {sub.value.value for sub in findall(module, m.Subscript(value=m.Name())) if _index_zero(sub)}
+        return accumulated & indexed
+
+    return ctx.shared("accumulated-data", build)
 
 
 def _data_to_item(value: cst.BaseExpression) -> cst.BaseExpression:
@@ -653,3 +889,152 @@ class DeprecatedOverload(Rule):
         reduction = "none" if not rd else ("mean" if sa else "sum")
         args = [a for a in updated.args if a is not size_average and a is not reduce]
         return with_args(updated, [*args, keyword_arg("reduction", cst.SimpleString(f'"{reduction}"'))])
+
+
+_DATA_METADATA = frozenset({"shape", "size", "dim", "dtype", "device", "ndim", "numel", "is_cuda"})
+_DATA_NAMES = frozenset({"loss", "output", "outputs", "weight", "weights", "bias", "grad", "logits", "param"})
+
+
+class DataAttribute(Rule):
+    """
+    ## What it does
+    Finds `.data` on parameters and graph tensors: writes (`w.data = ...`), in-place updates
+    (`p.data.add_(...)`, `m.weight.data.normal_(0, 0.02)`) and reads (`output.data.cpu()`).
+
+    ## Why is this bad?
+    `.data` is a view that autograd does not track: an in-place change through it skips the
+    version check, so a backward pass that needs the old value computes wrong gradients
+    without an error. `.detach()` shares the storage too but is tracked.
+
+    ## Example
+    ```python
+    for p in model.parameters():
+        p.data.add_(p.grad.data, alpha=-lr)
+    pred = output.data.max(1)[1]
+    ```
+
+    ## Use instead
+    ```python
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-lr)
+    pred = output.detach().max(1)[1]
+    ```
+    Only receivers known to be tensors are flagged: loop variables over `parameters()`,
+    `named_parameters()` or `group['params']`, `.grad`/`.weight`/`.bias`, names bound from a
+    module or `torch` call, and names such as `loss`, `output`, `weight`, `grad`.
+    `self.data`, `args.data` or `dataset.data` are not. `.data[0]` is GM201's,
+    `Variable(h.data)` GM202's; metadata reads (`.data.shape`, `.data.size()`) are harmless.
+    """
+
+    code = "GM204"
+    name = "data-attribute"
+    message = "`.data` bypasses autograd; use `.detach()` to read, `with torch.no_grad():` to update"
+    triggers = (".data",)
+    examples = (
+        Flagged("for p in model.parameters():\n    p.data.add_(p.grad.data, alpha=-lr)\n"),
+        Flagged("def init(m):\n    m.weight.data.normal_(0.0, 0.02)\n"),
+        Flagged("output = model(x)\npred = output.data.max(1)[1]\n"),
+        Flagged("import torch\nw = torch.zeros(3, requires_grad=True)\nw.data = torch.ones(3)\n"),
+        Clean("n = len(train_loader.dataset)\nroot = args.data\nitems = self.data\n"),
+        Clean("from torchvision import datasets\nds = datasets.MNIST('.')\nx = ds.data.float()\n"),
+        Clean("print(loss.data[0])\n"),
+        Clean("from torch.autograd import Variable\nh = Variable(h.data)\n"),
+        Clean("batch_size = output.data.size(0)\nshape = loss.data.shape\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.covered: Set[int] = set()  # statements with a reported update: their `.data` reads are part of it
+
+    def _cover(self) -> None:
+        statement = enclosing(self.ctx.ancestors, cst.BaseSmallStatement)
+        if statement is not None:
+            self.covered.add(id(statement))
+
+    def _tensorish(self, expr: cst.BaseExpression) -> bool:
+        if isinstance(expr, cst.Attribute):
+            return expr.attr.value in ("grad", "weight", "bias")
+        model = script_model(self.ctx)
+        if isinstance(expr, cst.Name):
+            kind = model.kind_anywhere(expr.value, expr)
+            if kind in v.TENSORS:
+                return True
+            name = expr.value.lower()
+            named = name in _DATA_NAMES or name.endswith(("_loss", "_grad")) or name.startswith("loss_")
+            return named and kind not in v.MODULES | {v.LOADER, v.BATCH}
+        if isinstance(expr, cst.Subscript):
+            return self._tensorish(expr.value)
+        return isinstance(expr, cst.Call) and model.kind(expr) in v.TENSORS
+
+    def _data_on_tensor(self, node: cst.BaseExpression) -> bool:
+        return isinstance(node, cst.Attribute) and node.attr.value == "data" and self._tensorish(node.value)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for target in node.targets:
+            if self._data_on_tensor(target.target):
+                self._cover()
+                x = _short(self.ctx, target.target.value)
+                self.report(target.target, f"`{x}.data = ...` swaps the tensor behind autograd's back; write "
+                                           f"`with torch.no_grad(): {x}.copy_(...)`")
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        if isinstance(func, cst.Attribute) and self._data_on_tensor(func.value) and _in_place(func.attr.value):
+            self._cover()
+            x = _short(self.ctx, func.value.value)
+            self.report(func.value, f"in-place `{x}.data.{func.attr.value}(...)` hides the change from autograd, "
+                                    f"so gradients that need the old value are silently wrong; write "
+                                    f"`with torch.no_grad(): {x}.{func.attr.value}(...)`")
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        if self._data_on_tensor(node.target):
+            self._cover()
+            x = _short(self.ctx, node.target.value)
+            self.report(node.target, f"in-place `{x}.data` update hides the change from autograd; write "
+                                     f"`with torch.no_grad():` and update `{x}` itself")
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if node.attr.value != "data":
+            return
+        ancestors = self.ctx.ancestors
+        parent = ancestors[-2] if len(ancestors) > 1 else None
+        grand = ancestors[-3] if len(ancestors) > 2 else None
+        if isinstance(parent, (cst.AssignTarget, cst.AugAssign)) and parent.target is node:
+            return  # a write: visit_Assign / visit_AugAssign
+        if isinstance(parent, cst.Attribute) and parent.value is node:
+            if parent.attr.value in _DATA_METADATA or (
+                    _in_place(parent.attr.value) and isinstance(grand, cst.Call) and grand.func is parent):
+                return
+        if isinstance(parent, cst.Subscript) and parent.value is node:
+            if isinstance(grand, cst.AssignTarget):
+                if self._tensorish(node.value):
+                    self._cover()
+                    x = _short(self.ctx, node.value)
+                    self.report(node, f"in-place `{x}.data[...] = ...` hides the change from autograd; write "
+                                      f"`with torch.no_grad(): {x}[...] = ...`")
+                return
+            if _index_zero(parent):
+                return  # GM201's
+        if isinstance(parent, cst.Arg) and isinstance(grand, cst.Call) and \
+                self.qualify(grand.func) in ("torch.autograd.Variable", "torch.autograd.variable.Variable"):
+            return  # GM202
+        if any(id(a) in self.covered for a in ancestors) or not self._tensorish(node.value):
+            return
+        x = _short(self.ctx, node.value)
+        if isinstance(parent, cst.Arg) and isinstance(grand, cst.Call) and \
+                (self.qualify(grand.func) or "").startswith("torch.nn.init."):
+            self.report(node, f"`nn.init` functions already update in place under `torch.no_grad()`: pass `{x}` "
+                              f"itself, not `{x}.data`")
+            return
+        self.report(node, f"`{x}.data` bypasses autograd: an in-place change to either tensor silently corrupts "
+                          f"gradients; use `{x}.detach()`")
+
+
+def _short(ctx, node: cst.CSTNode) -> str:
+    """A node's code for a message: on one line, and cut if long."""
+    code = " ".join(ctx.module.code_for_node(node).split())
+    return code if len(code) <= 40 else code[:37] + "..."
+
+
+def _in_place(method: str) -> bool:
+    return method.endswith("_") and not method.startswith("_")

@@ -1,4 +1,5 @@
-"""GPU memory: graphs kept alive, evaluation without no_grad, fp16 BatchNorm. GM301-GM305.
+"""GPU memory: graphs kept alive, evaluation without no_grad, fp16 BatchNorm, the caching
+allocator and out-of-memory handlers. GM301-GM306 (GM304, GM306 report only).
 
 The seed posts' main lesson: a loss tensor carries the autograd graph of its step. Keep it
 (`total += loss`, `losses.append(loss)`) and every step's activations stay in memory.
@@ -7,35 +8,46 @@ The seed posts' main lesson: a loss tensor carries the autograd graph of its ste
 from __future__ import annotations
 
 import re
-from typing import Optional, Set
+from typing import List, Optional, Set, Union
 
 import libcst as cst
 import libcst.matchers as m
 
+from gpumigrate.analysis import script_model
+from gpumigrate.analysis.structure import target_names
 from gpumigrate.codemods.base import Clean, Flagged, Rule
-from gpumigrate.codemods.device_plan import RUNTIME
-from gpumigrate.codemods.graph import loss_analysis, scope_of
-from gpumigrate.codemods.helpers import findall, call_method, is_method_call
-from gpumigrate.codemods.legacy import (
-    calls_backward,
-    has_no_grad_decorator,
-    no_grad_decorator,
-    no_grad_with,
-    under_no_grad,
+from gpumigrate.codemods.helpers import (
+    call_method,
+    findall,
+    is_method_call,
+    last_name,
+    literal_str,
+    loop_index,
+    runtime_name,
+    statements,
+    walk,
 )
+from gpumigrate.codemods.legacy import has_no_grad_decorator, no_grad_decorator, no_grad_with, volatile_plan
 
 
-def _itemize(expr: cst.BaseExpression, is_loss) -> cst.BaseExpression:
-    """`loss * n` -> `loss.item() * n`: every loss operand becomes a Python number."""
+def _operands(expr: cst.BaseExpression):
     if isinstance(expr, cst.BinaryOperation):
-        return expr.with_changes(left=_itemize(expr.left, is_loss), right=_itemize(expr.right, is_loss))
-    return call_method(expr, "item") if is_loss(expr) else expr
+        return [*_operands(expr.left), *_operands(expr.right)]
+    return [expr]
+
+
+def _itemize_by_position(updated: cst.BaseExpression, original: cst.BaseExpression, losses) -> cst.BaseExpression:
+    """`loss * n` -> `loss.item() * n`: the operands (found on the original tree, where the
+    model knows them) become Python numbers in the rewritten expression."""
+    if isinstance(updated, cst.BinaryOperation) and isinstance(original, cst.BinaryOperation):
+        return updated.with_changes(left=_itemize_by_position(updated.left, original.left, losses),
+                                    right=_itemize_by_position(updated.right, original.right, losses))
+    return call_method(updated, "item") if id(original) in losses else updated
 
 
 def _graph_operand(rule: Rule, expr: cst.BaseExpression) -> bool:
-    analysis = loss_analysis(rule.ctx)
-    scope = scope_of(rule.ctx.ancestors)
-    if analysis.is_loss(expr, scope):
+    """Is `expr` (or an operand of its arithmetic) a loss still in the graph?"""
+    if script_model(rule.ctx).is_loss(expr):
         return True
     if isinstance(expr, cst.BinaryOperation):
         return _graph_operand(rule, expr.left) or _graph_operand(rule, expr.right)
@@ -90,9 +102,9 @@ class TensorAccumulation(Rule):
     )
 
     def _skip(self, target: cst.BaseExpression) -> bool:
+        model = script_model(self.ctx)
         names = [n.value for n in findall(target, m.Name())]
-        analysis, scope = loss_analysis(self.ctx), scope_of(self.ctx.ancestors)
-        return any(analysis.feeds_backward(n, scope) for n in names) or under_no_grad(self.ctx, self.ctx.ancestors)
+        return any(model.feeds_backward(n, target) for n in names) or model.under_no_grad(target)
 
     def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
         if not isinstance(original.operator, (cst.AddAssign, cst.SubtractAssign)):
@@ -100,6 +112,7 @@ class TensorAccumulation(Rule):
         if not _graph_operand(self, original.value) or self._skip(original.target):
             return None
         self.report(original)
+        self._original_value = original.value
         return updated.with_changes(value=self._fix(updated.value, original.target))
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
@@ -116,12 +129,14 @@ class TensorAccumulation(Rule):
         if not any(_graph_operand(self, o) for o in others):
             return None
         self.report(original)
+        self._original_value = original.value
         return updated.with_changes(value=self._fix(updated.value, target))
 
     def _fix(self, value: cst.BaseExpression, total: cst.BaseExpression) -> cst.BaseExpression:
         """Every loss operand becomes `.item()`; the running total itself stays as it is."""
-        analysis, scope = loss_analysis(self.ctx), scope_of(self.ctx.ancestors)
-        return _itemize(value, lambda e: analysis.is_loss(e, scope) and not e.deep_equals(total))
+        model = script_model(self.ctx)
+        losses = {id(n) for n in _operands(self._original_value) if model.is_loss(n) and not n.deep_equals(total)}
+        return _itemize_by_position(value, self._original_value, losses)
 
 
 class TensorInContainer(Rule):
@@ -156,8 +171,9 @@ class TensorInContainer(Rule):
             fixed="loss = criterion(out, y)\nloss.backward()\nlosses.append(loss.item())\n",
         ),
         Flagged(
-            "loss = loss_fn(out, y)\nhistory['loss'].append(loss)\n",
-            fixed="loss = loss_fn(out, y)\nhistory['loss'].append(loss.item())\n",
+            "import torch.nn as nn\nloss_fn = nn.MSELoss()\nloss = loss_fn(out, y)\nhistory['loss'].append(loss)\n",
+            fixed="import torch.nn as nn\nloss_fn = nn.MSELoss()\nloss = loss_fn(out, y)\n"
+            "history['loss'].append(loss.item())\n",
         ),
         Clean("loss = criterion(out, y)\nlosses.append(loss.item())\nouts.append(out)\n"),
         Clean("losses = []\nfor x in xs:\n    loss = criterion(x)\n    losses.append(loss)\ntorch.stack(losses).sum().backward()\n"),
@@ -167,15 +183,30 @@ class TensorInContainer(Rule):
         if not is_method_call(original, "append") or len(original.args) != 1 or original.args[0].keyword:
             return None
         value = original.args[0].value
-        analysis, scope = loss_analysis(self.ctx), scope_of(self.ctx.ancestors)
-        if not analysis.is_loss(value, scope) or under_no_grad(self.ctx, self.ctx.ancestors):
+        model = script_model(self.ctx)
+        if not model.is_loss(value) or model.under_no_grad(original):
             return None
         container = [n.value for n in findall(original.func.value, m.Name())]
-        if any(analysis.feeds_backward(n, scope) for n in container):
+        if any(model.feeds_backward(n, original) or _computes_with(model, n, original) for n in container):
             return None
         self.report(original.args[0])
         arg = updated.args[0]
         return updated.with_changes(args=[arg.with_changes(value=call_method(arg.value, "item"))])
+
+
+def _computes_with(model, name: str, at: cst.CSTNode) -> bool:
+    """Is the list `name` computed with (`torch.stack(losses).mean()`), rather than only kept
+    for logging? Then its graphs are needed."""
+    scope = model.s.scope(at)
+    for node in model.s.index.subtree(scope.node):
+        if not (isinstance(node, cst.Name) and node.value == name and model.s.scope(node) is scope):
+            continue
+        for ancestor in model.s.ancestors(node):
+            if isinstance(ancestor, cst.Call) and (model.qualify(ancestor.func) or "").startswith("torch."):
+                return True
+            if isinstance(ancestor, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+                break
+    return False
 
 
 _EVAL_NAME = re.compile(r"^(test|evaluate|evaluation|eval|validate|validation|valid|predict|inference|infer)"
@@ -185,6 +216,15 @@ _TRAIN_MODE = m.Call(func=m.Attribute(attr=m.Name("train")))
 
 def _calls_eval(node: cst.CSTNode) -> bool:
     return bool(findall(node, m.Call(func=m.Attribute(attr=m.Name("eval")), args=[])))
+
+
+def _function_calls_eval(model, func: cst.FunctionDef) -> bool:
+    """`model.eval()` in the function's own body (not in nested functions)."""
+    if not _calls_eval(func):  # a slice of the node index: spares the script model most functions
+        return False
+    fn = model.s.functions.get(id(func))
+    return fn is not None and any(isinstance(c.func, cst.Attribute) and c.func.attr.value == "eval" and not c.args
+                                  for c in fn.calls)
 
 
 def _own_body(func: cst.FunctionDef):
@@ -244,6 +284,7 @@ class EvalWithoutNoGrad(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
+        self.model = script_model(self.ctx)
         self.functions: Set[int] = set()
         self.loops: Set[int] = set()
         self._blocks(node.body, decorated=False)
@@ -256,11 +297,12 @@ class EvalWithoutNoGrad(Rule):
                 marked = self._evaluation_function(stmt)
                 if marked:
                     self.functions.add(id(stmt))
-                self._blocks(stmt.body.body, decorated=marked or _has_no_grad(self.ctx, stmt))
+                self._blocks(stmt.body.body, decorated=marked or self.model.under_no_grad(stmt))
                 continue
             if isinstance(stmt, cst.ClassDef):
                 for inner in stmt.body.body:
-                    if isinstance(inner, cst.FunctionDef) and _calls_eval(inner) and self._evaluation_function(inner, method=True):
+                    if isinstance(inner, cst.FunctionDef) and _function_calls_eval(self.model, inner) and \
+                            self._evaluation_function(inner, method=True):
                         self.functions.add(id(inner))
                 continue
             if isinstance(stmt, cst.SimpleStatementLine):
@@ -269,20 +311,25 @@ class EvalWithoutNoGrad(Rule):
                 elif _calls_eval(stmt):
                     evaluating = True
             elif isinstance(stmt, (cst.For, cst.While)) and evaluating and not decorated:
-                if not calls_backward(stmt) and not _has_no_grad_block(self.ctx, stmt) and findall(stmt, m.Call()):
+                if not self.model.trains(stmt) and not self._no_grad_inside(stmt) and findall(stmt, m.Call()) \
+                        and not self.model.under_no_grad(stmt) and not volatile_plan(self.ctx).covers(stmt):
                     self.loops.add(id(stmt))
             elif isinstance(stmt, cst.If) and stmt.test and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
                 self._blocks(stmt.body.body, decorated)
 
     def _evaluation_function(self, func: cst.FunctionDef, method: bool = False) -> bool:
         named = bool(_EVAL_NAME.match(func.name.value))
-        body = cst.IndentedBlock(body=_own_body(func))
-        evals = _calls_eval(body)
+        evals = _function_calls_eval(self.model, func)
         if not (evals or (named and not method and self._runs_a_model(func))):
             return False
-        if named and not evals and func.name.value.startswith("test_") and findall(body, m.Assert()):
+        if named and not evals and func.name.value.startswith("test_") and self.model.s.own(func, cst.Assert):
             return False  # a pytest test, not an evaluation
-        return not calls_backward(func) and not _has_no_grad(self.ctx, func) and not _has_no_grad_block(self.ctx, body)
+        fn = self.model.s.functions.get(id(func))
+        return fn is not None and not self.model.function_trains(fn) and not self.model.under_no_grad(func) \
+            and not self._no_grad_inside(func)
+
+    def _no_grad_inside(self, node: cst.CSTNode) -> bool:
+        return any(self.model.under_no_grad(w) for w in self.model.s.inside(node, cst.With))
 
     def _runs_a_model(self, func: cst.FunctionDef) -> bool:
         """A name like `validate` is not enough (`validate_config()`): the function must take
@@ -309,14 +356,6 @@ class EvalWithoutNoGrad(Rule):
         return no_grad_with(self.ctx, updated)
 
     leave_For = leave_While = _loop
-
-
-def _has_no_grad(ctx, func: cst.FunctionDef) -> bool:
-    return under_no_grad(ctx, [func])
-
-
-def _has_no_grad_block(ctx, node: cst.CSTNode) -> bool:
-    return any(under_no_grad(ctx, [w]) for w in findall(node, m.With()))
 
 
 _HALF_STATEMENT = m.SimpleStatementLine(body=[
@@ -386,19 +425,267 @@ class HalfBatchNorm(Rule):
             model = call.func.value.value
         else:
             return None
-        if model in self.guarded or not _module_like(model, call.func.value):
+        target = small.targets[0].target if isinstance(small, cst.Assign) else call.func.value
+        module = script_model(self.ctx)
+        if model in self.guarded or not (module.module_like(call.func.value) or module.module_like(target)):
             return None
         self.report(call)
-        if self.fixing:
-            self.ctx.add_import(RUNTIME, "keep_batchnorm_fp32")
-        guard = cst.SimpleStatementLine(body=[cst.Expr(cst.Call(func=cst.Name("keep_batchnorm_fp32"),
-                                                                args=[cst.Arg(cst.Name(model))]))])
+        guard = cst.SimpleStatementLine(body=[cst.Expr(cst.Call(
+            func=runtime_name(self.ctx, "keep_batchnorm_fp32", self.fixing), args=[cst.Arg(cst.Name(model))]))])
         return cst.FlattenSentinel([updated, guard])
 
 
-def _module_like(name: str, receiver: cst.BaseExpression) -> bool:
-    """A model rather than a data tensor: named like one, or built by a class (`Net()`)."""
-    lowered = name.lower()
-    if "model" in lowered or "net" in lowered or lowered in ("generator", "discriminator", "encoder", "decoder"):
-        return True
-    return m.matches(receiver, m.Call(func=m.Name(value=m.MatchIfTrue(lambda v: v[:1].isupper()))))
+_EMPTY_CACHE = ("torch.cuda.empty_cache", "torch.mps.empty_cache")
+
+
+class EmptyCacheInLoop(Rule):
+    """
+    ## What it does
+    Finds `torch.cuda.empty_cache()` (or `torch.mps.empty_cache()`) inside the body of a
+    `for` or `while` loop of the same function.
+
+    ## Why is this bad?
+    The caching allocator already reuses freed memory; emptying the cache gives this process
+    nothing back. It synchronizes the device and returns the cached blocks to the driver, so
+    the next iteration pays for fresh `cudaMalloc` calls: every step gets slower.
+
+    ## Example
+    ```python
+    for data, target in train_loader:
+        loss = train_step(data, target)
+        torch.cuda.empty_cache()
+    ```
+
+    ## Use instead
+    ```python
+    for data, target in train_loader:
+        loss = train_step(data, target)
+    torch.cuda.empty_cache()  # once, if another process needs the memory
+    ```
+    Not flagged: a call inside an `except` handler (it runs only on failure, as in the
+    out-of-memory skip-the-batch idiom), or in a per-epoch loop: one whose target or
+    iterable names an epoch, or whose body holds the inner loop over batches.
+    """
+
+    code = "GM304"
+    name = "empty-cache-in-loop"
+    message = "`empty_cache()` in a loop syncs the GPU and frees the allocator's cache every iteration"
+    reported_in = frozenset({"device"})
+    triggers = ("empty_cache",)
+    examples = (
+        Flagged("import torch\nfor x, y in loader:\n    loss = step(x, y)\n    torch.cuda.empty_cache()\n"),
+        Flagged("from torch.cuda import empty_cache\nwhile step < total:\n    if step % 10 == 0:\n"
+                "        empty_cache()\n    step += 1\n"),
+        Clean("import torch\nfor x, y in loader:\n    step(x, y)\ntorch.cuda.empty_cache()\n"),
+        Clean("import torch\nfor x, y in loader:\n    try:\n        step(x, y)\n    except RuntimeError:\n"
+              "        torch.cuda.empty_cache()\n"),
+        Clean("import torch\nfor epoch in range(args.epochs):\n    train(model, loader)\n    torch.cuda.empty_cache()\n"),
+        Clean("import torch\nfor x in loader:\n    def cleanup():\n        torch.cuda.empty_cache()\n"),
+        Clean("import torch\nfor fold in folds:\n    for x in loader:\n        step(x)\n    torch.cuda.empty_cache()\n"),
+    )
+
+    def visit_Call(self, node: cst.Call) -> None:
+        qualified = self.qualify(node.func)
+        if qualified not in _EMPTY_CACHE:
+            return
+        ancestors = self.ctx.ancestors
+        index = loop_index(ancestors)
+        if index is None or any(isinstance(a, cst.ExceptHandler) for a in ancestors[index:]):
+            return
+        if _per_epoch(ancestors[index]) or _leaves_loop(ancestors[index + 1:]):
+            return
+        self.report(node, f"`{qualified}()` in a loop syncs the device and frees the allocator's cache every "
+                          f"iteration, so the next one pays for fresh allocations; the cache is already "
+                          f"reused: call it once after the loop, if at all")
+
+
+def _leaves_loop(inner) -> bool:
+    """Does the block holding the call also `break`, `return` or `raise`? Then it runs once."""
+    block = next(a for a in reversed(inner) if isinstance(a, cst.BaseSuite))
+    lines = [s for s in block.body if isinstance(s, cst.SimpleStatementLine)] if isinstance(block, cst.IndentedBlock) \
+        else [block]
+    return any(isinstance(small, (cst.Break, cst.Return, cst.Raise)) for line in lines for small in line.body)
+
+
+def _per_epoch(loop: Union[cst.For, cst.While]) -> bool:
+    header = (loop.target, loop.iter) if isinstance(loop, cst.For) else (loop.test,)
+    for part in header:
+        for n in walk(part):
+            name = last_name(n) if isinstance(n, (cst.Name, cst.Attribute)) else None
+            if name and "epoch" in name.lower():
+                return True
+    return any(isinstance(n, (cst.For, cst.While)) for n in statements(loop.body))
+
+
+_OOM_TYPES = ("torch.cuda.OutOfMemoryError", "torch.OutOfMemoryError")
+_BROAD_TYPES = ("RuntimeError", "Exception", "BaseException")
+
+
+class OomRetryLeak(Rule):
+    """
+    ## What it does
+    Finds out-of-memory handlers inside a loop (`except RuntimeError as e:` checking
+    `'out of memory' in str(e)`, or `except torch.cuda.OutOfMemoryError:`) that go on to the
+    next attempt while the failed step's tensors are still bound: the handler neither
+    `del`s them nor re-raises.
+
+    ## Why is this bad?
+    While the handler runs, the exception's traceback keeps every frame of the failed step
+    alive with its activations; after it, `outputs` and `loss` still hold the failed step's
+    graph. Retrying then needs that memory twice over and runs out of memory again.
+
+    ## Example
+    ```python
+    for data, target in train_loader:
+        try:
+            output = model(data)
+            loss = criterion(output, target)
+            loss.backward()
+        except RuntimeError as e:
+            if "out of memory" in str(e):
+                torch.cuda.empty_cache()
+                continue
+            raise
+    ```
+
+    ## Use instead
+    ```python
+    for data, target in train_loader:
+        try:
+            output = model(data)
+            loss = criterion(output, target)
+            loss.backward()
+        except RuntimeError as e:
+            if "out of memory" not in str(e):
+                raise
+            del output, loss  # drop the failed step's graph
+            optimizer.zero_grad(set_to_none=True)
+            continue
+    ```
+    The handler is fine when it `del`s (or sets to `None`) a name bound in the `try` body,
+    re-raises, returns or breaks out of the loop.
+    """
+
+    code = "GM306"
+    name = "oom-retry-leak"
+    message = "OOM handler retries while the failed step's tensors are alive"
+    reported_in = frozenset({"device"})
+    triggers = ("except",)
+    examples = (
+        Flagged("for x, y in loader:\n    try:\n        out = model(x)\n        loss = crit(out, y)\n"
+                "        loss.backward()\n    except RuntimeError as e:\n        if 'out of memory' in str(e):\n"
+                "            print('skipping batch')\n            continue\n        raise\n"),
+        Flagged("import torch\nwhile bs > 0:\n    try:\n        out = model(x[:bs])\n        break\n"
+                "    except torch.cuda.OutOfMemoryError:\n        bs //= 2\n"),
+        Clean("for x, y in loader:\n    try:\n        out = model(x)\n        loss = crit(out, y)\n"
+              "    except RuntimeError as e:\n        if 'out of memory' in str(e):\n"
+              "            del out, loss\n            continue\n        raise\n"),
+        Clean("for x, y in loader:\n    try:\n        out = model(x)\n    except RuntimeError as e:\n"
+              "        if 'out of memory' in str(e):\n            raise MemoryError('reduce the batch') from e\n"),
+        Clean("try:\n    out = model(x)\nexcept RuntimeError as e:\n    if 'out of memory' in str(e):\n"
+              "        out = None\n"),
+        Clean("for x in loader:\n    try:\n        out = model(x)\n    except RuntimeError as e:\n"
+              "        log(e)\n        continue\n"),
+        Clean("for x in loader:\n    try:\n        out = model(x)\n    except RuntimeError as e:\n"
+              "        if 'out of memory' in str(e):\n            return None\n"),
+    )
+
+    def visit_Try(self, node: cst.Try) -> None:
+        if not node.handlers or loop_index(self.ctx.ancestors) is None:
+            return
+        bound = _bound_names(node.body)
+        if not bound:
+            return
+        for handler in node.handlers:
+            path = self._oom_path(handler)
+            if path is None or _leaves(path) or _releases(path, bound):
+                continue
+            self.report(handler, "this out-of-memory handler goes on to the next attempt while the failed "
+                                 "step's tensors are alive (the exception's traceback holds the frame; "
+                                 f"`{', '.join(sorted(bound))}` hold its graph), so the retry needs twice the "
+                                 "memory: leave the handler first, `del` the outputs and loss, then retry")
+
+    def _oom_path(self, handler: cst.ExceptHandler) -> Optional[List[cst.CSTNode]]:
+        """The handler's statements that run on out-of-memory, or None if it does not catch it."""
+        types = _handler_types(handler.type)
+        qualified = [self.qualify(t) or last_name(t) for t in types]
+        body = list(handler.body.body)
+        if any(q in _OOM_TYPES for q in qualified):
+            return body
+        if not any(q in _BROAD_TYPES for q in qualified) or handler.name is None:
+            return None
+        name = handler.name.name.value if isinstance(handler.name.name, cst.Name) else None
+        if not any(_oom_check(n, name) is not None for n in walk(handler.body)):
+            return None
+        path: List[cst.CSTNode] = []
+        for stmt in body:
+            checks = [_oom_check(n, name) for n in walk(stmt.test)] if isinstance(stmt, cst.If) else []
+            if True in checks:
+                path.append(stmt.body)  # `if "out of memory" in str(e): ... else: raise`
+                if _ends_block(stmt.body):
+                    break  # what follows runs for other errors only
+            elif False in checks:
+                path.extend([stmt.orelse] if stmt.orelse is not None else [])  # `if ... not in ...: raise`
+            else:
+                path.append(stmt)
+        return path
+
+
+def _ends_block(suite: cst.BaseSuite) -> bool:
+    last = suite.body[-1] if suite.body else None
+    if isinstance(last, cst.SimpleStatementLine):
+        last = last.body[-1]
+    return isinstance(last, (cst.Continue, cst.Break, cst.Return, cst.Raise))
+
+
+def _handler_types(node: Optional[cst.BaseExpression]) -> List[cst.BaseExpression]:
+    if node is None:
+        return []
+    if isinstance(node, cst.Tuple):
+        return [e.value for e in node.elements]
+    return [node]
+
+
+def _oom_check(node: cst.CSTNode, name: Optional[str]) -> Optional[bool]:
+    """True for `'out of memory' in str(e)`, False for `not in`, None for anything else."""
+    if not isinstance(node, cst.Comparison) or len(node.comparisons) != 1:
+        return None
+    text = literal_str(node.left)
+    target = node.comparisons[0]
+    if text is None or "out of memory" not in text.lower() or not isinstance(target.operator, (cst.In, cst.NotIn)):
+        return None
+    if name is not None and not any(isinstance(n, cst.Name) and n.value == name for n in walk(target.comparator)):
+        return None
+    return isinstance(target.operator, cst.In)
+
+
+def _bound_names(body: cst.BaseSuite) -> Set[str]:
+    """Names the `try` body binds to computed values (not literals or other names)."""
+    names: Set[str] = set()
+    for node in statements(body):
+        if isinstance(node, (cst.Assign, cst.AnnAssign)) and node.value is not None and \
+                not isinstance(node.value, (cst.Integer, cst.Float, cst.SimpleString, cst.Name)):
+            targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+            names.update(n for t in targets for n in target_names(t))
+    return names
+
+
+def _leaves(path: List[cst.CSTNode]) -> bool:
+    """Does the out-of-memory path re-raise or leave the loop?"""
+    return any(isinstance(n, (cst.Raise, cst.Return, cst.Break)) for part in path for n in statements(part))
+
+
+def _releases(path: List[cst.CSTNode], bound: Set[str]) -> bool:
+    """Does the out-of-memory path `del` (or set to None) a name the `try` body bound?"""
+    for part in path:
+        for node in statements(part):
+            if isinstance(node, cst.Del) and bound & set(target_names(node.target)):
+                return True
+            if isinstance(node, cst.Assign) and _is_none(node.value) and \
+                    bound & {n for t in node.targets for n in target_names(t.target)}:
+                return True
+    return False
+
+
+def _is_none(node: cst.BaseExpression) -> bool:
+    return isinstance(node, cst.Name) and node.value == "None"

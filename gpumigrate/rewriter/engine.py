@@ -64,31 +64,48 @@ class _Report:
     line: int = 0
     col: int = 0
     end_line: int = 0
+    through: Optional[cst.CSTNode] = None  # the finding spans up to the end of this node
 
 
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.I)
 
 
-class _NodeIndex(cst.CSTVisitor):
-    """Every node of the original tree in pre-order, with where each subtree ends.
+class NodeIndex(cst.CSTVisitor):
+    """Every node of the original tree in pre-order, with where each subtree ends and each
+    node's parent.
 
     One visit builds it; afterwards "all calls under this statement" is a slice and an
     isinstance test instead of a matcher visitor per query (LibCST's findall visits every
-    node of the subtree each time)."""
+    node of the subtree each time), and walking up needs no ParentNodeProvider."""
 
     def __init__(self) -> None:
         super().__init__()
         self.order: List[cst.CSTNode] = []
         self.start: Dict[int, int] = {}
         self.end: Dict[int, int] = {}
+        self.parent: Dict[int, cst.CSTNode] = {}
+        self._stack: List[cst.CSTNode] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         self.start[id(node)] = len(self.order)
         self.order.append(node)
+        if self._stack:
+            self.parent[id(node)] = self._stack[-1]
+        self._stack.append(node)
         return True
+
+    def subtree(self, root: cst.CSTNode) -> List[cst.CSTNode]:
+        """`root` and every node under it, in pre-order (root must be of the indexed tree)."""
+        start = self.start[id(root)]
+        return self.order[start:self.end[id(root)]]
+
+    def contains(self, outer: cst.CSTNode, inner: cst.CSTNode) -> bool:
+        i = self.start.get(id(inner))
+        return i is not None and self.start[id(outer)] <= i < self.end[id(outer)]
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
         self.end[id(original_node)] = len(self.order)
+        self._stack.pop()
 
     # LibCST looks up a `visit_<Node>_<field>` hook for every field of every node; no one
     # here defines such hooks, and skipping the lookups saves a tenth of a traversal.
@@ -114,7 +131,7 @@ class FileContext:
         self.text = text
         self.names = names
         self.reports: List[_Report] = []
-        self.imports_to_add: List[Tuple[str, Optional[str]]] = []
+        self.imports_to_add: List[Tuple[str, Optional[str], Optional[str]]] = []
         self.imports_to_remove: List[Tuple[str, Optional[str]]] = []
         self.finishers: List[Callable[[cst.Module], cst.Module]] = []
         self.fixing: Set[str] = set()
@@ -122,18 +139,26 @@ class FileContext:
         self._positions = None
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
         self._removed: Dict[int, cst.CSTNode] = {}
-        self._index: Optional[_NodeIndex] = None
+        self._index: Optional[NodeIndex] = None
+        # original statement of a block -> what the traversal made of it (a node, several, none)
+        self._results: Dict[int, List[cst.CSTNode]] = {}
+
+    @property
+    def index(self) -> NodeIndex:
+        """The original tree's node index, built on first use."""
+        if self._index is None:
+            self._index = NodeIndex()
+            self.module.visit(self._index)
+        return self._index
 
     def find(self, root: cst.CSTNode, matcher: Any) -> List[cst.CSTNode]:
         """`libcst.matchers.findall(root, matcher)`, fast for subtrees of the original tree."""
-        if self._index is None:
-            self._index = _NodeIndex()
-            self.module.visit(self._index)
-        start = self._index.start.get(id(root))
-        if start is None or self._index.order[start] is not root:
+        index = self.index
+        start = index.start.get(id(root))
+        if start is None or index.order[start] is not root:
             return m.findall(root, matcher)  # a node the fixes built
         kind = getattr(cst, type(matcher).__name__, None)
-        nodes = self._index.order[start:self._index.end[id(root)]]
+        nodes = index.order[start:index.end[id(root)]]
         if isinstance(kind, type) and issubclass(kind, cst.CSTNode):
             return [n for n in nodes if isinstance(n, kind) and m.matches(n, matcher)]
         return [n for n in nodes if m.matches(n, matcher)]
@@ -180,13 +205,15 @@ class FileContext:
     def has_noqa(self) -> bool:
         return "noqa" in self.text.lower()
 
-    def report(self, code: str, node: cst.CSTNode, message: str, *, fixed: bool, review: bool) -> None:
-        """Record a finding at `node` (a node of the original tree)."""
-        self.reports.append(_Report(code, node, message, fixed, review))
+    def report(self, code: str, node: cst.CSTNode, message: str, *, fixed: bool, review: bool,
+               through: Optional[cst.CSTNode] = None) -> None:
+        """Record a finding at `node` (a node of the original tree), spanning to the end of
+        `through` when a fix covers several statements."""
+        self.reports.append(_Report(code, node, message, fixed, review, through=through))
 
-    def add_import(self, module: str, name: Optional[str] = None) -> None:
-        if (module, name) not in self.imports_to_add:
-            self.imports_to_add.append((module, name))
+    def add_import(self, module: str, name: Optional[str] = None, asname: Optional[str] = None) -> None:
+        if (module, name, asname) not in self.imports_to_add:
+            self.imports_to_add.append((module, name, asname))
 
     def remove_import(self, module: str, name: Optional[str] = None) -> None:
         if (module, name) not in self.imports_to_remove:
@@ -215,6 +242,20 @@ class FileContext:
         if not out:
             out.append(cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=carried))
         return out
+
+    def rewritten(self, original: cst.CSTNode) -> List[cst.CSTNode]:
+        """What the rules made of a statement of a block, once they left it: its replacement,
+        the statements inserted around it, or nothing if it was removed."""
+        return self._results.get(id(original), [original])
+
+    def span_of(self, originals: Sequence[cst.CSTNode], body: Sequence[cst.CSTNode]) -> Optional[Tuple[int, int]]:
+        """Where the rewritten forms of consecutive original statements lie in a rewritten
+        block body: (first index, last index + 1), or None if they are not all there."""
+        positions = {id(node): i for i, node in enumerate(body)}
+        found = [positions[id(n)] for o in originals for n in self.rewritten(o) if id(n) in positions]
+        if not found:
+            return None
+        return min(found), max(found) + 1
 
     def add_finisher(self, key: Any, finisher: Callable[[cst.Module], cst.Module]) -> None:
         """A module-level edit run once after the traversal (e.g. inserting a definition)."""
@@ -266,7 +307,7 @@ class _Dispatch(cst.CSTTransformer):
                     self.leaves[attr[6:]].append((rule, getattr(rule, attr)))
 
     def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
-        pass  # no rule has field hooks: see _NodeIndex
+        pass  # no rule has field hooks: see NodeIndex
 
     def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
         pass
@@ -298,6 +339,9 @@ class _Dispatch(cst.CSTTransformer):
             if not isinstance(current, type(original)):
                 break  # replaced by another kind of node, or removed
         result = chain.resolve() if chain is not None else current
+        if isinstance(original, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            self.ctx._results[id(original)] = (list(result.nodes) if isinstance(result, cst.FlattenSentinel)
+                                               else [] if isinstance(result, cst.RemovalSentinel) else [result])
         if isinstance(result, (cst.IndentedBlock, cst.Module)):
             body = self.ctx.drop_removed(result.body)
             if body is not None:
@@ -399,8 +443,8 @@ def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
         module = RemoveImportsVisitor(codemod_ctx).transform_module(module)
     if ctx.imports_to_add:
         codemod_ctx = CodemodContext()
-        for mod, name in ctx.imports_to_add:
-            AddImportsVisitor.add_needed_import(codemod_ctx, mod, name)
+        for mod, name, asname in ctx.imports_to_add:
+            AddImportsVisitor.add_needed_import(codemod_ctx, mod, name, asname)
         module = AddImportsVisitor(codemod_ctx).transform_module(module)
     return module
 
@@ -440,6 +484,9 @@ def process(
         result.findings = _findings(ctx)
         new_source = new_module.bytes if ctx.fixing else parsed_source
         if new_source != source and ctx.fixing:
+            if new_module is module or not any(f.fixed for f in result.findings):
+                return result  # nothing was fixed: whatever differs is not ours to change
+            _round_trips(module, parsed_source, path)
             _verify(new_source, parsed_source, path)
             result.new_source = new_source
     except UserError as exc:
@@ -457,12 +504,26 @@ def _findings(ctx: FileContext) -> List[Finding]:
     out = []
     for rep in ctx.reports:
         line, col, end = (rep.line, rep.col, rep.line) if rep.node is None else ctx.span(rep.node)
+        if rep.through is not None:
+            end = max(end, ctx.span(rep.through)[2])
         if ctx.has_noqa() and ctx.suppressed(rep.code, line):
             continue
         fixed = rep.fixed and rep.code in ctx.fixing
         out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end))
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out
+
+
+def _round_trips(module: cst.Module, source: bytes, path: str) -> None:
+    """The promise that untouched code keeps its bytes rests on LibCST printing an unedited
+    tree back exactly; for the rare file where it does not, no edit is made."""
+    printed = module.bytes
+    if printed == source:
+        return
+    old, new = source.splitlines(), printed.splitlines()
+    line = next((i + 1 for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)) + 1)
+    raise UserError(f"{path}:{line}: cannot rewrite without changing untouched code here (LibCST does not "
+                    "reproduce this line exactly); file left unchanged")
 
 
 def _verify(new_source: bytes, old_source: bytes, path: str) -> None:

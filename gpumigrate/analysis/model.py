@@ -1,0 +1,1059 @@
+"""What gpumigrate believes about one script: the one file to read to learn it.
+
+`script_model(ctx)` builds it once per file, lazily (each fact on first use), and every rule
+reads it, so lint's findings and the migrations' edits rest on the same facts:
+
+- what each name holds (`kind`): tensor, 0-dim loss or scalar, module, loss module,
+  optimizer, loader, dataset, metric object, writer, device... (see values.py);
+- which code trains: reaches `.backward()` or `optimizer.step()`, directly or through calls
+  to functions of this file (`trains`, `training_functions`);
+- which models each optimizer trains (`optimizers`, `trained_models`), through factories,
+  `getattr(torch.optim, name)`, parameter groups, `list(a.parameters()) + ...`;
+- which loaders train and which evaluate (`loaders`), from how each is consumed: `for`,
+  `enumerate`, `zip`, `tqdm`, `iter`/`next`, through loader factories and flags;
+- which statements write outputs (`output_call`);
+- which values differ per process (`per_process`), which are rank-local (`rank_local`), and
+  which conditions depend on them (`rank_local_test`).
+
+Facts are proven from the code or left unknown; a rule that needs an unknown fact takes the
+safe form and reports. Nothing here edits or prints.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Dict, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from gpumigrate.analysis import values as v
+from gpumigrate.analysis.structure import NEVER, Binding, Function, Scope, Structure, dotted
+from gpumigrate.analysis.values import Values, call_argument
+
+RUNTIME = "gpumigrate.runtime"
+_RANK_QUERIES = ("torch.distributed.get_rank", f"{RUNTIME}.get_rank", f"{RUNTIME}.is_main_process",
+                 "torch.distributed.get_world_size", f"{RUNTIME}.get_world_size")
+_RANK_NAMES = re.compile(r"(^|\.|_)(local_rank|rank|gpu_id|is_master|is_main|main_process|master)$")
+PER_PROCESS_CALLS = frozenset({
+    "time.time", "time.strftime", "time.asctime", "time.ctime", "time.localtime", "time.gmtime",
+    "time.perf_counter", "time.monotonic", "time.time_ns", "datetime.datetime.now", "datetime.datetime.today",
+    "datetime.datetime.utcnow", "datetime.date.today", "uuid.uuid1", "uuid.uuid4", "socket.gethostname",
+    "os.getpid", "tempfile.mkdtemp", "tempfile.mktemp", "random.random", "random.randint", "random.randrange",
+    "random.choice", "random.uniform", "random.getrandbits", "secrets.token_hex", "numpy.random.randint",
+    "numpy.random.rand",
+})
+COLLECTIVES = frozenset({"barrier", "all_reduce", "all_gather", "all_gather_object", "broadcast",
+                         "broadcast_object_list", "reduce", "gather", "scatter", "all_to_all", "reduce_scatter",
+                         "monitored_barrier", "gather_object", "scatter_object_list"})
+RUNTIME_COLLECTIVES = frozenset({"barrier", "reduce_sum", "reduce_mean", "broadcast_object"})
+_LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "critical", "exception", "log"})
+_WRITER_METHODS = frozenset({"write", "writerow", "writerows", "writeheader", "flush", "close", "writelines",
+                             "add_scalar", "add_scalars", "add_image", "add_images", "add_histogram",
+                             "add_text", "add_graph", "add_figure", "add_hparams", "add_embedding",
+                             "line", "image", "images", "text", "scatter", "plot", "log"} | _LOG_METHODS)
+SAVE_CALLS = frozenset({"torch.save", "pickle.dump", "json.dump", "numpy.save", "numpy.savez", "numpy.savetxt",
+                        "numpy.savez_compressed", "torchvision.utils.save_image", "shutil.copyfile", "shutil.copy",
+                        "shutil.copy2", "shutil.move", "shutil.rmtree", "os.makedirs", "os.mkdir", "os.remove",
+                        "os.rename", "os.replace", "matplotlib.pyplot.savefig", "scipy.io.savemat",
+                        "imageio.imwrite", "cv2.imwrite", "torch.onnx.export", "yaml.dump", "yaml.safe_dump"})
+_NO_GRAD = ("torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad")
+_EVAL_NAME = re.compile(r"^(test|evaluate|evaluation|eval|validate|validation|valid|val|predict|inference|infer)"
+                        r"(_.*)?$|^(evaluate|validate|predict|infer|test)")
+_TRAIN_NAME = re.compile(r"train", re.I)
+_MODEL_NAME = re.compile(r"model|net$|^net|encoder|decoder|generator|discriminator|classifier|backbone", re.I)
+_EVAL_LOADER_NAME = re.compile(r"(test|val|eval|dev)", re.I)
+
+
+@dataclass(eq=False)
+class Optimizer:
+    """An optimizer the script builds. `owners`: dotted names (in `scope`) whose parameters it
+    trains, e.g. `model` or `self.net`; `resolved`: every parameter it takes has a known owner
+    (False for a functional model, parameter lists we cannot follow, unknown factories)."""
+
+    call: cst.Call  # where it is built (in a factory: the factory's own call)
+    site: cst.Call  # the call in the caller that produces it (== call unless built by a factory)
+    owners: List[Tuple[Scope, str]] = field(default_factory=list)
+    resolved: bool = True
+    functional: bool = False
+
+
+@dataclass(eq=False)
+class TrainedModel:
+    """A module an optimizer trains, as named where it is bound."""
+
+    name: str  # dotted: `model`, `self.model`
+    scope: Scope
+    optimizers: List[Optimizer] = field(default_factory=list)
+    loss_module: bool = False
+
+
+@dataclass(eq=False)
+class Consumption:
+    """A place that takes batches from a loader: a `for` loop (or comprehension) or `next()`."""
+
+    node: cst.CSTNode  # the For / While / next() call
+    holder: cst.BaseExpression  # the expression naming the loader or iterator there
+    trains: bool
+
+
+@dataclass(eq=False)
+class Loader:
+    """A `DataLoader(...)` call and what the script does with what it returns."""
+
+    call: cst.Call
+    # (scope, name, the expression bound there: the DataLoader call or a factory call)
+    holders: List[Tuple[Scope, str, cst.CSTNode]] = field(default_factory=list)
+    consumers: List[Consumption] = field(default_factory=list)
+    roles: Set[str] = field(default_factory=set)  # "train", "eval"
+    # a loader factory used for both: the factory parameter that is true for training
+    flag: Optional[str] = None
+    flag_negated: bool = False
+
+    @property
+    def role(self) -> str:
+        if self.flag is not None:
+            return "flag"
+        if self.roles == {"train"}:
+            return "train"
+        if self.roles == {"eval"}:
+            return "eval"
+        return "both" if self.roles else "unknown"
+
+
+def script_model(ctx) -> "ScriptModel":
+    return ctx.shared("script-model", ScriptModel)
+
+
+class ScriptModel:
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.qualify = ctx.names.qualify
+
+    @cached_property
+    def s(self) -> Structure:
+        """The file's scopes, bindings and calls (built on the first question that needs them)."""
+        return Structure(self.ctx.module, self.ctx.index)
+
+    @cached_property
+    def values(self) -> Values:
+        return Values(self.s, self.qualify)
+
+    @cached_property
+    def devices(self):
+        """Where the script builds devices, the flags choosing CUDA, and what hard-codes it."""
+        from gpumigrate.analysis.devices import DeviceFacts
+
+        return DeviceFacts(self.ctx.module, self.s.index, self.ctx.names)
+
+    # -- what names hold ----------------------------------------------------------------
+    def kind(self, expr: cst.BaseExpression) -> str:
+        """What `expr` (a node of the original tree) holds where it stands."""
+        return self.values.of(expr)
+
+    def kind_of_name(self, name: str, at: cst.CSTNode) -> str:
+        """What `name` holds as seen from the code at `at`."""
+        stmt = self.s.statement(at) or at
+        return self.values.name(name, self.s.scope(at), self.s.order(stmt))
+
+    def kind_anywhere(self, name: str, at: cst.CSTNode) -> Optional[str]:
+        """What `name` may hold anywhere in the scope that binds it (all bindings merged);
+        None when nothing says (an unbound name, a parameter no call of this file fills)."""
+        bindings = self.s.all_bindings(name, self.s.scope(at))
+        if not bindings:
+            return None
+        kind = self.values.bindings_kind(bindings)
+        if kind in (v.UNKNOWN, v.NEUTRAL) and all(b.how == "param" for b in bindings):
+            return None
+        return v.UNKNOWN if kind == v.NEUTRAL else kind
+
+    def module_like_name(self, name: str, at: cst.CSTNode) -> bool:
+        """`module_like` for a name as seen from `at`."""
+        kind = self.kind_anywhere(name, at)
+        return kind in v.MODULES or (kind in (None, v.UNKNOWN, v.OBJECT) and bool(_MODEL_NAME.search(name)))
+
+    def module_like(self, expr: cst.BaseExpression) -> bool:
+        """A model rather than a data tensor: a module by its binding; or, where nothing says
+        what it holds, an object named like one (`net`, `model`, `generator`)."""
+        kind = self.kind(expr)
+        if kind in v.MODULES or (isinstance(expr, cst.Call) and kind == v.OBJECT):
+            return True
+        if kind in (v.UNKNOWN, v.OBJECT):
+            name = (dotted(expr) or "").rsplit(".", 1)[-1]
+            return bool(_MODEL_NAME.search(name))
+        return False
+
+    def zero_dim(self, expr: cst.BaseExpression) -> bool:
+        return self.kind(expr) in v.ZERO_DIM
+
+    def is_loss(self, expr: cst.BaseExpression) -> bool:
+        """A 0-dim tensor in the autograd graph: a criterion's result, or what `.backward()`
+        is called on (which only works on a 0-dim tensor)."""
+        if self.kind(expr) == v.LOSS:
+            return True
+        if isinstance(expr, cst.Name):
+            return expr.value in self.backward_names(self.s.scope(expr))
+        return False
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def loads_pickled(self, call: cst.Call) -> bool:
+        """Does this `torch.load` provably read a pickled object (a whole module, or a list or
+        dict holding one), which `weights_only=True` (the default since torch 2.6) refuses?
+        Its result is used as a module, or it reads the file a module was saved to."""
+        parent = self.s.parent(call)
+        grand = self.s.parent(parent) if parent is not None else None
+        if isinstance(parent, cst.Arg) and isinstance(grand, cst.Call) and isinstance(grand.func, cst.Attribute) \
+                and grand.func.attr.value == "load_state_dict":
+            return False  # a state dict
+        if isinstance(parent, cst.Assign) and parent.value is call:
+            for target in parent.targets:
+                for name in _names_in(target.target):
+                    if self._used_as_module(name, parent):
+                        return True
+        path = self._file_of(call_argument(call, "f", 0))
+        if path is None:
+            return False
+        for node in self.s.index.order:
+            if isinstance(node, cst.Call) and self.qualify(node.func) == "torch.save" and node.args:
+                if self._file_of(call_argument(node, "f", 1)) == path and self._holds_module(node.args[0].value):
+                    return True
+        return False
+
+    def _used_as_module(self, name: str, assign: cst.Assign) -> bool:
+        scope = self.s.scope(assign)
+        for node in self.s.index.order[self.s.index.end[id(assign)]:]:
+            if not (isinstance(node, cst.Name) and node.value == name and self.s.scope(node) is scope):
+                continue
+            stmt = self.s.statement(node)
+            _, bindings = self.s.lookup(name, scope, self.s.order(stmt) if stmt is not None else NEVER)
+            if not any(b.stmt is assign for b in bindings):
+                continue
+            parent = self.s.parent(node)
+            if isinstance(parent, cst.Call) and parent.func is node:
+                return True
+            if isinstance(parent, cst.Attribute) and parent.value is node and parent.attr.value in _MODULE_METHODS:
+                return True
+        return False
+
+    def _holds_module(self, expr: cst.BaseExpression) -> bool:
+        if self.kind(expr) in v.MODULES:
+            return True
+        if isinstance(expr, (cst.List, cst.Tuple)):
+            return any(self._holds_module(e.value) for e in expr.elements)
+        if isinstance(expr, cst.Dict):
+            return any(isinstance(e, cst.DictElement) and self._holds_module(e.value) for e in expr.elements)
+        return False
+
+    def _file_of(self, expr: Optional[cst.BaseExpression]) -> Optional[str]:
+        """The code naming the file behind a path or an open file (`with open(p) as f`)."""
+        if expr is None:
+            return None
+        if isinstance(expr, cst.Name):
+            _, bindings = self.s.lookup(expr.value, self.s.scope(expr), self.s.order(self.s.statement(expr)))
+            for b in bindings:
+                if b.how == "with" and isinstance(b.value, cst.Call) and isinstance(b.value.func, cst.Name) \
+                        and b.value.func.value == "open" and b.value.args:
+                    return self.ctx.module.code_for_node(b.value.args[0].value)
+        return self.ctx.module.code_for_node(expr)
+
+    # -- imports --------------------------------------------------------------------------
+    @cached_property
+    def uses_torch(self) -> bool:
+        return any(q == "torch" or q.startswith(("torch.", f"{RUNTIME}"))
+                   for q in self.ctx.names.local.values())
+
+    @cached_property
+    def era_03(self) -> bool:
+        """Written for torch 0.3 or older: `Variable`, `volatile`, `.data[0]`."""
+        text = self.ctx.text
+        return any(q in v.VARIABLE for q in self.ctx.names.local.values()) or "volatile" in text \
+            or ".data[0]" in text
+
+    # -- training ------------------------------------------------------------------------
+    @cached_property
+    def backward_calls(self) -> List[cst.Call]:
+        out = []
+        for node in self.s.index.order:
+            if isinstance(node, cst.Call):
+                func = node.func
+                if (isinstance(func, cst.Attribute) and func.attr.value == "backward") or \
+                        self.qualify(func) == "torch.autograd.backward":
+                    out.append(node)
+        return out
+
+    @cached_property
+    def step_calls(self) -> List[cst.Call]:
+        """`optimizer.step()` and `scaler.step(optimizer)`."""
+        out = []
+        for node in self.s.index.order:
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "step":
+                receiver = node.func.value
+                kind = self.kind(receiver)
+                name = (dotted(receiver) or "").lower()
+                if kind == v.OPTIMIZER or (kind in (v.UNKNOWN, v.OBJECT) and ("optim" in name or "scaler" in name)):
+                    out.append(node)
+        return out
+
+    @cached_property
+    def has_training(self) -> bool:
+        return bool(self.backward_calls or self.step_calls)
+
+    def backward_names(self, scope: Scope) -> Set[str]:
+        """Names `.backward()` is called on in `scope` (`loss.backward()`)."""
+        return self._backward_names.get(id(scope.node), set())
+
+    @cached_property
+    def _backward_names(self) -> Dict[int, Set[str]]:
+        out: Dict[int, Set[str]] = {}
+        for call in self.backward_calls:
+            if isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Name) and not call.args:
+                out.setdefault(id(self.s.scope(call).node), set()).add(call.func.value.value)
+        return out
+
+    def feeds_backward(self, name: str, at: cst.CSTNode) -> bool:
+        """Is `name` part of what `.backward()` is called on (`(a + b).backward()`,
+        `torch.stack(losses).sum().backward()`)? Then keeping its graph is the point."""
+        scope = self.s.scope(at)
+        for call in self.backward_calls:
+            if self.s.scope(call) is scope and isinstance(call.func, cst.Attribute):
+                if any(isinstance(n, cst.Name) and n.value == name for n in self.s.index.subtree(call.func.value)):
+                    return True
+        return False
+
+    @cached_property
+    def training_functions(self) -> Set[int]:
+        """ids of the functions of this file that train: they reach `.backward()` or
+        `optimizer.step()` themselves or through functions of this file they call."""
+        direct = {id(fn.node) for call in (*self.backward_calls, *self.step_calls)
+                  for fn in [self.s.function(call)] if fn is not None}
+        trained = set(direct)
+        changed = True
+        while changed:
+            changed = False
+            for fn in self.s.functions.values():
+                if id(fn.node) in trained:
+                    continue
+                if any((t := self.s.callee(c)) is not None and id(t.node) in trained for c in fn.calls):
+                    trained.add(id(fn.node))
+                    changed = True
+        return trained
+
+    def trains(self, node: cst.CSTNode) -> bool:
+        """Does running `node` (a statement or block of the original tree) train: reach
+        `.backward()` or `optimizer.step()`, directly or through calls of this file?"""
+        marks = self._training_marks
+        for sub in self.s.index.subtree(node):
+            if id(sub) in marks:
+                return True
+            if isinstance(sub, cst.Call):
+                target = self.s.callee(sub)
+                if target is not None and id(target.node) in self.training_functions:
+                    return True
+        return False
+
+    @cached_property
+    def _training_marks(self) -> Set[int]:
+        return {id(c) for c in (*self.backward_calls, *self.step_calls)}
+
+    def function_trains(self, fn: Function) -> bool:
+        return id(fn.node) in self.training_functions
+
+    # -- evaluation ----------------------------------------------------------------------
+    def evaluates(self, fn: Function) -> bool:
+        """A function that evaluates: puts a model in eval mode, or is named like evaluation
+        and runs a model over batches; never one that trains."""
+        if self.function_trains(fn) or not isinstance(fn.node, cst.FunctionDef):
+            return False
+        calls_eval = any(isinstance(c.func, cst.Attribute) and c.func.attr.value == "eval" and not c.args
+                         for c in fn.calls)
+        return calls_eval or bool(_EVAL_NAME.match(fn.name))
+
+    def under_no_grad(self, node: cst.CSTNode) -> bool:
+        """Is `node` inside `with torch.no_grad():` or a `@torch.no_grad()` function?"""
+        for ancestor in [node, *self.s.ancestors(node)]:
+            items = []
+            if isinstance(ancestor, cst.With):
+                items = [item.item for item in ancestor.items]
+            elif isinstance(ancestor, cst.FunctionDef):
+                items = [d.decorator for d in ancestor.decorators]
+            for item in items:
+                func = item.func if isinstance(item, cst.Call) else item
+                if self.qualify(func) in _NO_GRAD:
+                    return True
+        return False
+
+    # -- optimizers and the models they train ----------------------------------------------
+    @cached_property
+    def optimizers(self) -> List[Optimizer]:
+        found: List[Optimizer] = []
+        seen: Set[int] = set()
+        for node in self.s.index.order:
+            if not isinstance(node, cst.Call) or id(node) in seen or self.kind(node) != v.OPTIMIZER:
+                continue
+            if self.s.callee(node) is not None:
+                continue  # a factory of this file: its own `torch.optim` call is the one
+            seen.add(id(node))
+            found.extend(self._optimizer(node))
+        found.extend(self._unresolved_optimizers(seen))
+        return found
+
+    def _optimizer(self, call: cst.Call) -> List[Optimizer]:
+        """One optimizer per call site: a factory's optimizer is owned by what each caller passes."""
+        params = call_argument(call, "params", 0)
+        fn = self.s.function(call)
+        sites = [call]
+        if fn is not None and self._returns(fn, call):
+            sites = [c for c in fn.callers] or [call]
+        out = []
+        for site in sites:
+            opt = Optimizer(call, site)
+            if params is None:
+                opt.resolved = False
+            else:
+                self._owners(params, self.s.scope(call), self.s.order(self.s.statement(call)), opt,
+                             site if site is not call else None)
+            out.append(opt)
+        return out
+
+    def _returns(self, fn: Function, call: cst.Call) -> bool:
+        """Does `fn` return what `call` builds (directly, or through a name)?"""
+        for ret in fn.returns:
+            if ret is call:
+                return True
+            if isinstance(ret, cst.Name):
+                _, bindings = self.s.lookup(ret.value, fn.scope)
+                if any(b.how == "assign" and b.value is call for b in bindings):
+                    return True
+        return False
+
+    def _unresolved_optimizers(self, seen: Set[int]) -> List[Optimizer]:
+        """`optimizer = build_optimizer(cfg, model)` from elsewhere: something with `.step()`
+        and `.zero_grad()`; its owners are the modules passed to the call that built it."""
+        out = []
+        stepped: Dict[Tuple[int, str], cst.CSTNode] = {}
+        for node in self.s.index.order:
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and \
+                    node.func.attr.value == "step" and isinstance(node.func.value, cst.Name):
+                scope = self.s.scope(node)
+                if self.kind(node.func.value) in (v.OPTIMIZER, v.SCHEDULER, v.MODULE, v.LOSS_MODULE):
+                    continue
+                stepped.setdefault((id(scope.node), node.func.value.value), node)
+        for (_, name), use in stepped.items():
+            owner_scope, bindings = self.s.lookup(name, self.s.scope(use))
+            calls = [b.value for b in bindings if b.how == "assign" and isinstance(b.value, cst.Call)]
+            if not calls or any(id(c) in seen for c in calls):
+                continue
+            for call in calls:
+                if self.s.callee(call) is not None or "sched" in name.lower():
+                    continue
+                opt = Optimizer(call, call, resolved=False)
+                for arg in call.args:
+                    if arg.star:
+                        continue
+                    kind = self.kind(arg.value)
+                    if kind in v.MODULES or kind == v.PARAMS:
+                        self._owners(arg.value if kind == v.PARAMS else cst.Call(
+                            func=cst.Attribute(value=arg.value, attr=cst.Name("parameters"))),
+                            self.s.scope(call), self.s.order(self.s.statement(call)), opt, None, synthetic=arg.value)
+                out.append(opt)
+        return out
+
+    def _owners(self, expr: cst.BaseExpression, scope: Scope, at: float, opt: Optimizer,
+                site: Optional[cst.Call], synthetic: Optional[cst.BaseExpression] = None, depth: int = 0) -> None:
+        """Find whose parameters `expr` holds; record them on `opt` (or mark it unresolved)."""
+        if depth > 12:
+            opt.resolved = False
+            return
+        again = lambda e, sc=scope, a=at: self._owners(e, sc, a, opt, site, None, depth + 1)  # noqa: E731
+        if not isinstance(expr, cst.Name) and self.kind(expr) in v.TENSORS:
+            opt.functional = True  # tensors trained directly: a functional model
+            opt.resolved = False
+            return
+        if isinstance(expr, cst.Call):
+            func = expr.func
+            if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
+                receiver = synthetic if synthetic is not None else func.value
+                root = _root(receiver)
+                if root is None:
+                    opt.resolved = False
+                    return
+                self._add_owner(root, scope, at, opt, site)
+                return
+            name = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else ""
+            if name in ("list", "tuple", "filter", "chain", "sorted", "iter") and expr.args:
+                for arg in expr.args:
+                    if name != "filter" or arg is expr.args[-1]:
+                        again(arg.value)
+                return
+            if isinstance(func, cst.Attribute) and func.attr.value == "values" and isinstance(func.value, cst.Name):
+                opt.functional = True  # params.values(): a dict of tensors
+                opt.resolved = False
+                return
+            opt.resolved = False
+            return
+        if isinstance(expr, (cst.List, cst.Tuple)):
+            for element in expr.elements:
+                again(element.value)
+            return
+        if isinstance(expr, cst.Dict):
+            for element in expr.elements:
+                if isinstance(element, cst.DictElement) and isinstance(element.key, cst.SimpleString) \
+                        and element.key.evaluated_value == "params":
+                    again(element.value)
+                elif not isinstance(element, cst.DictElement):
+                    opt.resolved = False
+            return
+        if isinstance(expr, (cst.ListComp, cst.GeneratorExp)):
+            again(expr.for_in.iter)
+            return
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
+            again(expr.left)
+            again(expr.right)
+            return
+        if isinstance(expr, cst.Name):
+            found, bindings = self.s.lookup(expr.value, scope, at)
+            if not bindings:
+                opt.resolved = False
+                return
+            for b in bindings:
+                if b.how in ("assign", "aug"):
+                    self._owners(b.value, b.scope, b.order, opt, site, None, depth + 1)
+                elif b.how == "param":
+                    self._param_owners(b, opt, site, depth)
+                else:
+                    opt.resolved = False
+            for call in self._mutations(expr.value, found, at):
+                for arg in call.args:
+                    self._owners(arg.value, found, self.s.order(self.s.statement(call)), opt, site, None, depth + 1)
+            if any(self.kind(expr) == v.PARAM or self.values.binding(b) in (v.PARAM, v.TENSOR) for b in bindings):
+                opt.functional = True
+                opt.resolved = False
+            return
+        if isinstance(expr, cst.Attribute) and self.kind(expr) == v.PARAM:
+            opt.functional = True
+        opt.resolved = False
+
+    def _param_owners(self, b: Binding, opt: Optimizer, site: Optional[cst.Call], depth: int,
+                      receiver: bool = False) -> None:
+        """A parameter of a factory: what the caller passes for it (the parameter list, or,
+        with `receiver`, the module whose `.parameters()` the factory takes)."""
+        fn = self.s.functions.get(id(b.scope.node))
+        if fn is None:
+            opt.resolved = False
+            return
+        position = fn.position(b.name)
+        callers = [site] if site is not None and site in fn.callers else fn.callers
+        if not callers:
+            opt.resolved = False
+            return
+        for call in callers:
+            arg = call_argument(call, b.name, position)
+            if arg is None:
+                opt.resolved = False
+                continue
+            scope, at = self.s.scope(call), self.s.order(self.s.statement(call))
+            if receiver:
+                root = _root(arg)
+                if root is None:
+                    opt.resolved = False
+                else:
+                    self._add_owner(root, scope, at, opt, None)
+            else:
+                self._owners(arg, scope, at, opt, None, None, depth + 1)
+
+    def _mutations(self, name: str, scope: Optional[Scope], at: float) -> List[cst.Call]:
+        """`params.append(...)` / `params.extend(...)` before `at` in the scope binding `name`."""
+        if scope is None:
+            return []
+        out = []
+        for node in self.s.index.subtree(scope.node):
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) \
+                    and node.func.attr.value in ("append", "extend", "insert", "add_param_group") \
+                    and isinstance(node.func.value, cst.Name) and node.func.value.value == name \
+                    and self.s.order(node) < at and self.s.scope(node) is scope:
+                out.append(node)
+        return out
+
+    def _add_owner(self, root: str, scope: Scope, at: float, opt: Optimizer, site: Optional[cst.Call]) -> None:
+        head = root.split(".")[0]
+        if head != "self":
+            found, bindings = self.s.lookup(head, scope, at)
+            if found is None:
+                opt.resolved = False
+                return
+            if len(bindings) == 1 and bindings[0].how == "param" and "." not in root:
+                self._param_owners(bindings[0], opt, site, 0, receiver=True)
+                return
+            scope = found
+        opt.owners.append((scope, root))
+
+    @cached_property
+    def trained_models(self) -> List[TrainedModel]:
+        """Each module an optimizer trains, once per (scope, name)."""
+        models: Dict[Tuple[int, str], TrainedModel] = {}
+        for opt in self.optimizers:
+            for scope, name in opt.owners:
+                key = (id(scope.node), name)
+                if key not in models:
+                    models[key] = TrainedModel(name, scope, loss_module=self._is_loss_module(name, scope))
+                if opt not in models[key].optimizers:
+                    models[key].optimizers.append(opt)
+        return list(models.values())
+
+    def _is_loss_module(self, name: str, scope: Scope) -> bool:
+        """A module whose output is the loss: a `Loss` class, or one whose call result is
+        what `.backward()` is called on (`criterion(out, y).backward()`, `loss = criterion(...)`)."""
+        if "." not in name:
+            kind = self.values.name(name, scope)
+            if kind == v.LOSS_MODULE:
+                return True
+        for node in self.s.index.order:
+            if isinstance(node, cst.Call) and dotted(node.func) == name and self._scope_chain_binds(node, scope):
+                parent = self.s.parent(node)
+                if isinstance(parent, cst.Attribute) and parent.attr.value == "backward":
+                    return True
+                if isinstance(parent, cst.Assign) and len(parent.targets) == 1 and \
+                        isinstance(parent.targets[0].target, cst.Name) and \
+                        parent.targets[0].target.value in self.backward_names(self.s.scope(node)):
+                    return True
+        return False
+
+    def _scope_chain_binds(self, node: cst.CSTNode, scope: Scope) -> bool:
+        current: Optional[Scope] = self.s.scope(node)
+        while current is not None:
+            if current is scope:
+                return True
+            current = current.parent
+        return False
+
+    # -- loaders -------------------------------------------------------------------------
+    @cached_property
+    def loaders(self) -> List[Loader]:
+        loaders: Dict[int, Loader] = {}
+        for node in self.s.index.order:
+            if isinstance(node, cst.Call) and self.qualify(node.func) in v.DATALOADER:
+                loaders[id(node)] = Loader(node)
+        if not loaders:
+            return []
+        for loader in loaders.values():
+            self._holders(loader)
+        for consumption in self._consumptions():
+            for origin, via in self.origins(consumption.holder):
+                if id(origin) in loaders:
+                    loader = loaders[id(origin)]
+                    loader.consumers.append(consumption)
+                    role = "train" if consumption.trains else "eval"
+                    loader.roles.add(role)
+                    if via is not None:
+                        loader._via = getattr(loader, "_via", []) + [(via, role)]  # type: ignore[attr-defined]
+        for loader in loaders.values():
+            if loader.roles == {"train", "eval"}:
+                self._flag(loader)
+            if not loader.roles:
+                names = " ".join(name for _, name, _ in loader.holders) or self._factory_name(loader)
+                if _TRAIN_NAME.search(names):
+                    loader.roles.add("train")
+                elif _EVAL_LOADER_NAME.search(names):
+                    loader.roles.add("eval")
+        return list(loaders.values())
+
+    def loader_of(self, call: cst.Call) -> Optional[Loader]:
+        return next((l for l in self.loaders if l.call is call), None)
+
+    def _factory_name(self, loader: Loader) -> str:
+        fn = self.s.function(loader.call)
+        return fn.name if fn is not None else ""
+
+    def _holders(self, loader: Loader) -> None:
+        """The names a loader is bound to: `train_loader = DataLoader(...)`, or through a
+        factory of this file, `train_loader = make_loader(...)` at each call (also
+        `a, b = make(True), make(False)`)."""
+        frontier: List[cst.CSTNode] = [loader.call]
+        seen: Set[int] = set()
+        while frontier:
+            expr = frontier.pop()
+            if id(expr) in seen:
+                continue
+            seen.add(id(expr))
+            parent = self.s.parent(expr)
+            target: Optional[cst.BaseExpression] = None
+            holder: Optional[cst.CSTNode] = None
+            if isinstance(parent, (cst.Assign, cst.AnnAssign)) and parent.value is expr:
+                targets = [t.target for t in parent.targets] if isinstance(parent, cst.Assign) else [parent.target]
+                target, holder = targets[0], parent
+            elif isinstance(parent, cst.Element) and isinstance(self.s.parent(parent), cst.Tuple):
+                tup = self.s.parent(parent)
+                assign = self.s.parent(tup)
+                if isinstance(assign, cst.Assign) and len(assign.targets) == 1 and \
+                        isinstance(assign.targets[0].target, cst.Tuple) and assign.value is tup:
+                    elements = assign.targets[0].target.elements
+                    k = list(tup.elements).index(parent)
+                    if k < len(elements):
+                        target, holder = elements[k].value, assign
+            elif isinstance(parent, cst.Return):
+                fn = self.s.function(parent)
+                if fn is not None:
+                    frontier.extend(fn.callers)
+            if target is None or holder is None or not dotted(target):
+                continue
+            name = dotted(target)
+            loader.holders.append((self.s.scope(holder), name, expr))
+            fn = self.s.function(holder)
+            if fn is not None and isinstance(target, cst.Name) and any(
+                    isinstance(r, cst.Name) and r.value == name for r in fn.returns):
+                frontier.extend(fn.callers)
+
+    def _consumptions(self) -> List[Consumption]:
+        out = []
+        for node in self.s.index.order:
+            if isinstance(node, (cst.For, cst.CompFor)):
+                for holder in self._iterated(node.iter):
+                    if self.kind(holder) in (v.LOADER, v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
+                        loop = node if isinstance(node, cst.For) else self.s.statement(node)
+                        trains = self.trains(node.body) if isinstance(node, cst.For) else self._loop_trains(node)
+                        out.append(Consumption(loop, holder, trains))
+            elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "next" \
+                    and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
+                out.append(Consumption(node, node.args[0].value, self._loop_trains(node)))
+        return out
+
+    def _loop_trains(self, node: cst.CSTNode) -> bool:
+        """Does the loop around `node` train (or, outside loops, its function)?"""
+        for ancestor in self.s.ancestors(node):
+            if isinstance(ancestor, (cst.For, cst.While)):
+                return self.trains(ancestor.body)
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
+                break
+        fn = self.s.function(node)
+        stmt = self.s.line(node)
+        return self.function_trains(fn) if fn is not None else bool(stmt is not None and self.trains(stmt))
+
+    @staticmethod
+    def _iterated(it: cst.BaseExpression) -> List[cst.BaseExpression]:
+        """The expressions a loop takes items from: `loader` in `enumerate(tqdm(loader))`,
+        both in `zip(a, b)`."""
+        out: List[cst.BaseExpression] = []
+        stack = [it]
+        while stack:
+            e = stack.pop()
+            if isinstance(e, cst.Call) and isinstance(e.func, (cst.Name, cst.Attribute)):
+                name = e.func.value if isinstance(e.func, cst.Name) else e.func.attr.value
+                if name in ("enumerate", "tqdm", "trange", "iter", "zip", "islice") and e.args:
+                    stack.extend(a.value for a in (e.args if name == "zip" else e.args[:1]))
+                    continue
+                if name == "DataLoader":
+                    out.append(e)  # `for x, y in DataLoader(...)`
+                    continue
+            if isinstance(e, (cst.Name, cst.Attribute)):
+                out.append(e)
+        return out
+
+    def origins(self, holder: cst.BaseExpression, depth: int = 0) -> List[Tuple[cst.Call, Optional[cst.Call]]]:
+        """The DataLoader calls `holder` may hold, each with the factory call it came through."""
+        if depth > 8:
+            return []
+        if isinstance(holder, cst.Call) and self.qualify(holder.func) in v.DATALOADER:
+            return [(holder, None)]
+        scope = self.s.scope(holder)
+        stmt = self.s.statement(holder)
+        if isinstance(holder, cst.Attribute) and dotted(holder) and dotted(holder).startswith("self."):
+            cls = self.s.instance_class(holder.value, scope)
+            bindings = cls.attrs.get(holder.attr.value, []) if cls is not None else []
+        elif isinstance(holder, cst.Name):
+            _, bindings = self.s.lookup(holder.value, scope, self.s.order(stmt) if stmt is not None else NEVER)
+        else:
+            return []
+        out: List[Tuple[cst.Call, Optional[cst.Call]]] = []
+        for b in bindings:
+            if b.how == "param":
+                fn = self.s.functions.get(id(b.scope.node))
+                if fn is None:
+                    continue
+                position = fn.position(b.name)
+                for call in fn.callers:
+                    arg = call_argument(call, b.name, position)
+                    if arg is not None:
+                        out.extend(self.origins(arg, depth + 1))
+                continue
+            if b.how not in ("assign", "unpack") or not isinstance(b.value, (cst.Call, cst.Tuple)):
+                continue
+            value = b.value
+            if b.how == "unpack" and isinstance(value, cst.Tuple) and b.path and b.path[0] < len(value.elements):
+                value = value.elements[b.path[0]].value
+            if not isinstance(value, cst.Call):
+                continue
+            if self.qualify(value.func) in v.DATALOADER:
+                out.append((value, None))
+            elif isinstance(value.func, cst.Name) and value.func.value == "iter" and value.args:
+                out.extend(self.origins(value.args[0].value, depth + 1))
+            else:
+                callee = self.s.callee(value)
+                if callee is None:
+                    continue
+                for ret in callee.returns:
+                    for origin in self._returned_loaders(ret, depth):
+                        out.append((origin, value))
+        return out
+
+    def _returned_loaders(self, expr: cst.BaseExpression, depth: int) -> List[cst.Call]:
+        if isinstance(expr, cst.Call) and self.qualify(expr.func) in v.DATALOADER:
+            return [expr]
+        if isinstance(expr, cst.Name):
+            return [o for o, _ in self.origins(expr, depth + 1)]
+        return []
+
+    def _flag(self, loader: Loader) -> None:
+        """A factory used for training and for evaluation (`make_loader(train=True)`): find
+        its parameter that is true at every training call and false at every evaluation one."""
+        via = getattr(loader, "_via", [])
+        fn = self.s.function(loader.call)
+        if fn is None or not via or any(site is None for site, _ in via):
+            return
+        names = fn.param_names()
+        for position, name in enumerate(names):
+            values = []
+            for site, role in via:
+                arg = call_argument(site, name, position)
+                if not isinstance(arg, cst.Name) or arg.value not in ("True", "False"):
+                    break
+                values.append((arg.value == "True", role))
+            else:
+                if values and all(flag == (role == "train") for flag, role in values):
+                    loader.flag = name
+                    return
+                if values and all(flag == (role == "eval") for flag, role in values):
+                    loader.flag, loader.flag_negated = name, True
+                    return
+
+    # -- outputs -------------------------------------------------------------------------
+    def output_call(self, call: cst.Call) -> Optional[str]:
+        """What kind of output a call writes: "print", "log", "write" (to a file, csv or
+        TensorBoard writer), "save" (a file: torch.save, pickle.dump, os.makedirs...), or None."""
+        func = call.func
+        qualified = self.qualify(func) or ""
+        if isinstance(func, cst.Name) and func.value == "print" and not qualified:
+            return "print"
+        if qualified.startswith("logging.") and qualified.rsplit(".", 1)[1] in _LOG_METHODS:
+            return "log"
+        if qualified in SAVE_CALLS or qualified.endswith(".save_image"):
+            return "save"
+        if qualified in ("tqdm.tqdm.write", "tqdm.auto.tqdm.write", "tqdm.write"):
+            return "print"
+        if isinstance(func, cst.Attribute):
+            method = func.attr.value
+            receiver = func.value
+            if method == "write" and dotted(receiver) in ("tqdm", "tqdm.tqdm"):
+                return "print"
+            if method in ("save_pretrained", "savefig", "to_csv") and not qualified:
+                return "save"
+            kind = self.kind(receiver)
+            if kind == v.WRITER and method in _WRITER_METHODS:
+                return "write"
+            if kind == v.WRITER and isinstance(receiver, cst.Name):
+                return "write"
+            cls = self.s.instance_class(receiver, self.s.scope(call))
+            if cls is not None and cls.name and self._logger_class(cls):
+                return "write"
+        return None
+
+    def _logger_class(self, cls) -> bool:
+        """A class of this file whose methods only write outputs (print, files) and keep
+        state: a custom logger."""
+        key = ("logger", id(cls.node))
+        cache = self.__dict__.setdefault("_logger_cache", {})
+        if key in cache:
+            return cache[key]
+        cache[key] = False
+        writes = False
+        for method in cls.methods.values():
+            for call in method.calls:
+                if self.trains(call) or self.collective(call):
+                    return False
+                kind = self.output_call(call)
+                if kind is not None:
+                    writes = True
+        cache[key] = writes and not any(self.function_trains(m) for m in cls.methods.values())
+        return cache[key]
+
+    def collective(self, call: cst.Call) -> bool:
+        """A call every rank must make: `dist.barrier()`, `all_reduce`, the runtime's
+        reductions, broadcasts and barrier."""
+        qualified = self.qualify(call.func) or ""
+        name = qualified.rsplit(".", 1)[-1]
+        return (qualified.startswith("torch.distributed.") and name in COLLECTIVES) or \
+            (qualified.startswith(RUNTIME) and name in RUNTIME_COLLECTIVES)
+
+    # -- per-process and rank-local values ---------------------------------------------------
+    def per_process_call(self, call: cst.Call) -> bool:
+        qualified = self.qualify(call.func) or ""
+        return qualified in PER_PROCESS_CALLS
+
+    def per_process(self, expr: cst.BaseExpression) -> bool:
+        """Does `expr` differ per process: a clock, a random draw, a pid, a temp dir, a uuid,
+        or a name bound from one (not yet agreed on with broadcast_object)?"""
+        return self._per_process(expr, 0)
+
+    def _per_process(self, expr: cst.BaseExpression, depth: int) -> bool:
+        if depth > 6:
+            return False
+        for node in self.s.index.subtree(expr) if id(expr) in self.s.index.start else []:
+            if isinstance(node, cst.Call):
+                if (self.qualify(node.func) or "").endswith("broadcast_object"):
+                    return False
+                if self.per_process_call(node):
+                    return True
+            elif isinstance(node, cst.Name):
+                scope = self.s.scope(node)
+                stmt = self.s.statement(node)
+                _, bindings = self.s.lookup(node.value, scope, self.s.order(stmt) if stmt is not None else NEVER)
+                for b in bindings:
+                    if b.how == "assign" and isinstance(b.value, cst.BaseExpression) and b.value is not expr and \
+                            self._per_process(b.value, depth + 1):
+                        return True
+        return False
+
+    def rank_query(self, node: cst.CSTNode) -> bool:
+        """`get_rank()`, `is_main_process()`, `args.local_rank`, `rank == 0`: this process's
+        identity."""
+        for sub in self.s.index.subtree(node):
+            if isinstance(sub, cst.Call) and (self.qualify(sub.func) or "") in _RANK_QUERIES:
+                return True
+            if isinstance(sub, (cst.Name, cst.Attribute)) and _RANK_NAMES.search(dotted(sub) or ""):
+                return True
+            if isinstance(sub, cst.SimpleString) and "RANK" in sub.value:
+                return True
+        return False
+
+    @cached_property
+    def training_loops_list(self) -> List[cst.CSTNode]:
+        """Loops that take training batches (a loader's `for`, or a loop calling `next()`)."""
+        out = []
+        for loader in self.loaders:
+            for c in loader.consumers:
+                if not c.trains:
+                    continue
+                node = c.node if isinstance(c.node, (cst.For, cst.While)) else next(
+                    (a for a in self.s.ancestors(c.node) if isinstance(a, (cst.For, cst.While))), None)
+                if node is not None and node not in out:
+                    out.append(node)
+        return out
+
+    @cached_property
+    def training_consumptions(self) -> Set[int]:
+        """ids of the loops and `next()` calls that take training batches: once the data is
+        sharded, what they yield differs per rank."""
+        return {id(c.node) for l in self.loaders for c in l.consumers if c.trains}
+
+    def local_binding(self, b: Binding) -> bool:
+        """Does this binding give its name a value that can differ between ranks: a training
+        batch, a value computed from one (a loss, a running sum), a per-process value (a clock,
+        a random draw), the rank, or what a function returning one of these gives?"""
+        key = id(b)
+        memo = self._local_memo
+        if key in memo:
+            return memo[key]
+        memo[key] = False  # a cycle says nothing
+        result = False
+        if b.how == "loop":
+            loop = b.stmt if isinstance(b.stmt, cst.For) else None
+            result = (loop is not None and id(loop) in self.training_consumptions) or \
+                self._local_expr(b.value, b.scope, b.order)
+        elif b.how in ("assign", "unpack", "aug", "with"):
+            value = b.value
+            if isinstance(value, cst.Call) and id(value) in self.training_consumptions:
+                result = True
+            elif isinstance(value, cst.CSTNode):
+                result = self._local_expr(value, b.scope, b.order)
+            if not result and b.how == "aug":
+                _, chain = self.s.lookup(b.name, b.scope, b.order)
+                result = any(self.local_binding(c) for c in chain if c is not b)
+        memo[key] = result
+        return result
+
+    @cached_property
+    def _local_memo(self) -> Dict[int, bool]:
+        return {}
+
+    def _local_expr(self, expr: cst.CSTNode, scope: Scope, at: float) -> bool:
+        if not isinstance(expr, cst.CSTNode) or id(expr) not in self.s.index.start:
+            return False
+        for node in self.s.index.subtree(expr):
+            if isinstance(node, cst.Name):
+                _, bindings = self.s.lookup(node.value, self.s.scope(node), at)
+                if any(self.local_binding(b) for b in bindings):
+                    return True
+            elif isinstance(node, cst.Call):
+                qualified = self.qualify(node.func) or ""
+                if qualified.endswith("broadcast_object") or qualified.endswith("reduce_sum") \
+                        or qualified.endswith("reduce_mean"):
+                    return False  # the ranks agree on what these return
+                if qualified in PER_PROCESS_CALLS or qualified in _RANK_QUERIES:
+                    return True
+                target = self.s.callee(node)
+                if target is not None and self.local_function(target):
+                    return True
+            elif isinstance(node, (cst.Attribute, cst.SimpleString)) and self._names_rank(node):
+                return True
+        return False
+
+    def _names_rank(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.SimpleString):
+            return "RANK" in node.value
+        return bool(_RANK_NAMES.search(dotted(node) or ""))
+
+    def local_function(self, fn: Function) -> bool:
+        """Does `fn` return a rank-local value (`train()` returning its shard's mean loss)?"""
+        memo = self._local_memo
+        key = -id(fn.node)
+        if key in memo:
+            return memo[key]
+        memo[key] = False
+        result = False
+        for ret in fn.returns:
+            stmt = self.s.statement(ret)
+            if self._local_expr(ret, fn.scope, self.s.order(stmt) if stmt is not None else NEVER):
+                result = True
+                break
+        memo[key] = result
+        return result
+
+    def rank_local(self, expr: cst.CSTNode) -> bool:
+        """Can `expr` (of the original tree) differ between ranks, once the training data is
+        sharded?"""
+        stmt = self.s.statement(expr)
+        if self.rank_query(expr):
+            return True
+        return self._local_expr(expr, self.s.scope(expr), self.s.order(stmt) if stmt is not None else NEVER)
+
+    def rank_local_test(self, node: cst.CSTNode) -> bool:
+        """An `if`/`while` whose condition can differ between ranks."""
+        test = getattr(node, "test", None)
+        return test is not None and self.rank_local(test)
+
+
+_MODULE_METHODS = frozenset({"eval", "train", "parameters", "named_parameters", "modules", "children", "to", "cuda",
+                             "half", "float", "forward", "state_dict", "zero_grad", "apply"})
+
+
+def _names_in(target: cst.BaseExpression) -> List[str]:
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for e in target.elements for n in _names_in(e.value)]
+    return []
+
+
+def _root(expr: cst.BaseExpression) -> Optional[str]:
+    """The name whose parameters `model.backbone.parameters()` hands on: `model`
+    (`self.model` inside a method)."""
+    name = dotted(expr)
+    if name is None:
+        if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Name) and expr.func.value == "unwrap_model" \
+                and expr.args:
+            return _root(expr.args[0].value)
+        return None
+    parts = name.split(".")
+    if parts[0] == "self":
+        return ".".join(parts[:2]) if len(parts) > 1 else None
+    return parts[0]

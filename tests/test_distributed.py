@@ -1,0 +1,215 @@
+"""The ddp migration's decisions, one at a time: what it edits, and what it reports instead."""
+
+import textwrap
+
+import pytest
+
+from tests.conftest import migrate
+
+HEAD = """\
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+train_set = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+"""
+
+
+def ddp(code: str, head: str = HEAD):
+    source = head + textwrap.dedent(code)
+    result = migrate(source.encode(), "ddp")
+    assert result.error is None, result.error
+    out = (result.new_source or result.source).decode()
+    compile(out, "x.py", "exec")
+    again = migrate(out.encode(), "ddp")
+    assert again.error is None and again.new_source is None, "not idempotent"
+    reviews = [f.message for f in result.findings if not f.fixed]
+    return out, reviews
+
+
+TRAIN = """\
+loader = DataLoader(train_set, batch_size=4, shuffle=True)
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+"""
+
+
+def test_a_model_trained_by_a_factory_optimizer_is_wrapped_and_its_data_sharded():
+    out, _ = ddp("model = torch.nn.Linear(4, 1)\nopt = getattr(torch.optim, 'SGD')(model.parameters(), lr=0.1)\n"
+                 + TRAIN)
+    assert "model = wrap_model(model)\nopt = getattr" in out
+    assert "sampler=distributed_sampler(train_set)" in out and "set_epoch(loader, epoch)" in out
+
+
+def test_a_functional_model_keeps_its_data_whole_and_is_reported():
+    out, reviews = ddp("params = [torch.zeros(4, 1, requires_grad=True)]\nopt = torch.optim.SGD(params, lr=0.1)\n"
+                       "model = lambda x: x @ params[0]\n" + TRAIN)
+    assert "distributed_sampler" not in out and "wrap_model" not in out
+    assert any("not a module" in r for r in reviews)
+    assert any("NOT sharded" in r for r in reviews)
+
+
+def test_a_loss_module_is_never_wrapped():
+    out, reviews = ddp("model, crit = torch.nn.Linear(4, 1), torch.nn.MSELoss()\n"
+                       "opt = torch.optim.SGD(list(model.parameters()) + list(crit.parameters()), lr=0.1)\n"
+                       "for x, y in DataLoader(train_set):\n    crit(model(x), y).backward()\n    opt.step()\n")
+    assert "wrap_model(model)" in out and "wrap_model(crit" not in out
+    assert any("loss module" in r for r in reviews)
+
+
+def test_the_wrap_follows_the_move_to_the_device_and_a_rebinding():
+    out, _ = ddp("model = torch.nn.Linear(4, 1)\nprint(sum(p.numel() for p in model.parameters()))\n"
+                 "model = torch.load('pretrained.pt')\nmodel.cuda()\n"
+                 "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN)
+    assert "model.to(device)\nmodel = wrap_model(model)\nopt =" in out
+
+
+def test_a_users_own_wrap_model_keeps_its_name_and_ours_is_aliased():
+    out, _ = ddp("def wrap_model(m):\n    return m\nmodel = wrap_model(torch.nn.Linear(4, 1))\n"
+                 "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN)
+    assert "wrap_model as gm_wrap_model" in out and "model = gm_wrap_model(model)" in out
+
+
+def test_evaluation_kept_in_a_metric_object_is_not_sharded():
+    code = TRAIN + textwrap.dedent("""\
+    class Meter:
+        def __init__(self):
+            self.n = 0
+        def update(self, k):
+            self.n += k
+    val = DataLoader(train_set, batch_size=4)
+    m = Meter()
+    with torch.no_grad():
+        for x, y in val:
+            m.update(len(x))
+    print(m.n)
+    """)
+    out, reviews = ddp("model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                       + textwrap.dedent(code))
+    assert "val = DataLoader(train_set, batch_size=4)\n" in out and "reduce_sum" not in out
+    assert any("evaluation not sharded" in r for r in reviews)
+
+
+def test_evaluation_sums_are_sharded_and_reduced():
+    code = TRAIN + textwrap.dedent("""\
+    val = DataLoader(train_set, batch_size=4)
+    n = 0
+    for x, y in val:
+        n += len(x)
+    print(n)
+    """)
+    out, _ = ddp("model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                 + textwrap.dedent(code))
+    assert "distributed_sampler(train_set, shuffle=False, pad=False)" in out
+    assert "    n += len(x)\nn = reduce_sum(n)\nif is_main_process():\n    print(n)" in out
+
+
+def test_no_collective_in_a_helper_called_from_rank_zero_output():
+    out, _ = ddp("""\
+        import time
+        class Timer:
+            def tic(self):
+                self.t = time.time()
+            def toc(self):
+                return time.time() - self.t
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        t = Timer()
+        for x, y in DataLoader(train_set, shuffle=True):
+            t.tic()
+            model(x).sum().backward()
+            opt.step()
+            print('step', t.toc())
+        """)
+    assert "broadcast_object" not in out
+    assert "    if is_main_process():\n        print('step', t.toc())" in out
+
+
+def test_a_run_directory_is_agreed_on_after_setup():
+    out, _ = ddp("""\
+        import os, random
+        def train(d):
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in DataLoader(train_set, shuffle=True):
+                model(x).sum().backward()
+                opt.step()
+        if __name__ == '__main__':
+            run_dir = os.path.join('runs', str(random.randint(0, 999)))
+            os.makedirs(run_dir)
+            train(run_dir)
+        """, head="import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+                  "train_set = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))\n")
+    assert ("    run_dir = broadcast_object(os.path.join('runs', str(random.randint(0, 999))))\n"
+            "    if is_main_process():\n        os.makedirs(run_dir)") in out
+    assert out.index("setup_distributed()\n") < out.index("broadcast_object(os")
+
+
+def test_a_rank_local_early_stop_is_reported():
+    _, reviews = ddp("""\
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in DataLoader(train_set, shuffle=True):
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            if loss.item() < 0.1:
+                break
+        """)
+    assert any("loop exit decided on a rank-local value" in r for r in reviews)
+
+
+def test_iteration_based_training_reshuffles_when_the_iterator_restarts():
+    out, reviews = ddp("""\
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = DataLoader(train_set, batch_size=4, shuffle=True)
+        epoch_size = len(train_set) // 4
+        for it in range(20):
+            if it % epoch_size == 0:
+                batches = iter(loader)
+            x, y = next(batches)
+            model(x).sum().backward()
+            opt.step()
+        """)
+    assert "epoch_size = shard_length(train_set) // 4" in out
+    assert "        set_epoch(loader)\n        batches = iter(loader)" in out
+    assert any("iteration-based" in r for r in reviews)
+
+
+def test_a_script_without_training_gets_only_the_device_changes():
+    out, reviews = ddp("model = torch.nn.Linear(4, 1).cuda()\nfor x, y in DataLoader(train_set):\n"
+                       "    print(model(x.cuda()))\n")
+    assert "setup_distributed" not in out and "is_main_process" not in out and ".to(device)" in out
+    assert any("no training found" in r for r in reviews)
+
+
+def test_a_module_without_torch_is_left_alone():
+    source = "import sys\n\ndef main():\n    print(sys.argv)\n\nif __name__ == '__main__':\n    main()\n"
+    assert migrate(source.encode(), "ddp").new_source is None
+
+
+@pytest.mark.parametrize("line, reported", [
+    ('device = torch.device("cuda", args.gpu)', True),
+    ('device = torch.device("cuda:1")', True),
+    ('device = torch.device("cuda:0")', False),
+    ('device = torch.device("cuda", args.local_rank)', False),
+])
+def test_a_gpu_chosen_by_index_is_kept_and_reported(line, reported):
+    out, reviews = ddp(line + "\nmodel = torch.nn.Linear(4, 1).to(device)\n"
+                       "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN)
+    assert any("chosen by index" in r for r in reviews) is reported
+
+
+def test_per_rank_files_stay_per_rank():
+    out, _ = ddp("import os\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                 + TRAIN + "with open('w%s.txt' % os.environ.get('RANK', '0'), 'w') as f:\n    f.write('x')\n")
+    assert "with open('w%s.txt' % os.environ.get('RANK', '0'), 'w') as f:\n    f.write('x')\n" in out
+
+
+def test_outputs_opened_for_writing_go_to_devnull_on_other_ranks():
+    out, _ = ddp("import csv\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                 "log = open('log.csv', 'w'); writer = csv.writer(log)\n" + TRAIN + "writer.writerow([1])\n")
+    assert "log = open('log.csv' if is_main_process() else os.devnull, 'w')" in out
+    assert "if is_main_process():\n    writer.writerow([1])" in out
