@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 import libcst as cst
 
 from gpumigrate.rewriter.engine import NodeIndex
+from gpumigrate.rewriter.names import dotted  # noqa: F401  (the analysis reads names with it too)
 
 ScopeNode = Union[cst.Module, cst.FunctionDef, cst.ClassDef, cst.Lambda]
 NEVER = math.inf  # "after every binding": how code that runs later (a called function) sees a name
@@ -92,16 +93,6 @@ def target_names(target: cst.CSTNode) -> List[str]:
     if isinstance(target, cst.StarredElement):
         return target_names(target.value)
     return []
-
-
-def dotted(node: cst.CSTNode) -> Optional[str]:
-    """`a.b.c` for a chain of names, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = dotted(node.value)
-        return f"{base}.{node.attr.value}" if base else None
-    return None
 
 
 _STATEMENTS = (cst.BaseSmallStatement, cst.BaseCompoundStatement)

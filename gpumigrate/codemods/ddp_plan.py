@@ -20,7 +20,7 @@ import libcst as cst
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.model import Loader, TrainedModel
-from gpumigrate.analysis.structure import Function, dotted
+from gpumigrate.analysis.structure import Function, dotted, target_names
 from gpumigrate.analysis.values import call_argument
 
 RUNTIME = "gpumigrate.runtime"
@@ -410,7 +410,7 @@ class DdpPlan:
                 if not self._plain_block(stmt.body, accumulators, temporaries):
                     return False
             elif isinstance(stmt, cst.For):
-                temporaries.update(n for n in _target_names(stmt.target))
+                temporaries.update(n for n in target_names(stmt.target))
                 if stmt.orelse is not None or not self._plain_block(stmt.body, accumulators, temporaries):
                     return False
             else:
@@ -422,7 +422,7 @@ class DdpPlan:
             return True
         if isinstance(small, cst.Assign):
             for target in small.targets:
-                names = _target_names(target.target)
+                names = target_names(target.target)
                 if not names or not isinstance(target.target, (cst.Name, cst.Tuple, cst.List)):
                     return False
                 temporaries.update(names)
@@ -1186,16 +1186,6 @@ class DdpPlan:
                         break
         return out
 
-
-
-def _target_names(target: cst.CSTNode) -> List[str]:
-    if isinstance(target, cst.Name):
-        return [target.value]
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for e in target.elements for n in _target_names(e.value)]
-    if isinstance(target, cst.StarredElement):
-        return _target_names(target.value)
-    return []
 
 
 def _initial_zero(b, qualify) -> bool:

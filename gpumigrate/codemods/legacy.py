@@ -328,7 +328,6 @@ class _VolatilePlan:
         """A range inside another range, or inside a function that gets `@torch.no_grad()`,
         is already covered."""
         s = self.model.s
-        covered = [(block, first, last) for block, spans in self.ranges.items() for first, last in spans]
         blocks = {id(n): n for n in s.index.order if id(n) in self.ranges}
         for block_id in list(self.ranges):
             block = blocks[block_id]

@@ -12,11 +12,12 @@ from typing import Dict, Iterator, Optional
 import libcst as cst
 
 
-def _dotted(node: cst.BaseExpression) -> Optional[str]:
+def dotted(node: cst.CSTNode) -> Optional[str]:
+    """`a.b.c` for a chain of names, else None."""
     if isinstance(node, cst.Name):
         return node.value
     if isinstance(node, cst.Attribute):
-        base = _dotted(node.value)
+        base = dotted(node.value)
         return f"{base}.{node.attr.value}" if base else None
     return None
 
@@ -47,14 +48,14 @@ class ImportTable:
         for stmt in _statements(module.body):
             if isinstance(stmt, cst.Import):
                 for alias in stmt.names:
-                    full = _dotted(alias.name)
+                    full = dotted(alias.name)
                     if alias.asname is not None:
                         self.local[alias.asname.name.value] = full
                     else:  # `import a.b` binds `a`
                         top = full.split(".")[0]
                         self.local[top] = top
             elif isinstance(stmt, cst.ImportFrom) and not stmt.relative:
-                base = _dotted(stmt.module) if stmt.module else None
+                base = dotted(stmt.module) if stmt.module else None
                 if base is None or isinstance(stmt.names, cst.ImportStar):
                     continue
                 for alias in stmt.names:
@@ -64,10 +65,10 @@ class ImportTable:
 
     def qualify(self, node: cst.BaseExpression) -> Optional[str]:
         """`nn.DataParallel` -> `torch.nn.DataParallel`; None for names not from an import."""
-        dotted = _dotted(node)
-        if dotted is None:
+        name = dotted(node)
+        if name is None:
             return None
-        head, _, rest = dotted.partition(".")
+        head, _, rest = name.partition(".")
         full = self.local.get(head)
         if full is None:
             return None
