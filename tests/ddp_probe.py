@@ -12,7 +12,15 @@ instruments from the outside:
 * `DistributedSampler`, `RandomSampler` and the runtime's `_Shard` record, per `__iter__`
   call (one call per epoch), the dataset indices they yield;
 * `torch.save` records every path it writes;
-* `sys.stdout` is teed, so each rank's own printing is known.
+* `sys.stdout` is teed, so each rank's own printing is known;
+* every `torch.optim.Optimizer` constructed, with the parameters it trains (`optimizers`:
+  class, tensors, num_params, steps, steps that changed a parameter, and the flattened float64
+  vectors OUT_DIR/rank{RANK}_optim{i}.pt at the end and ..._optim{i}_init.pt at construction),
+  so a test can check every trained parameter without knowing which modules were wrapped;
+* `torch.load` calls (`torch_loads`: path, the weights_only argument, what came back),
+  `shutil.copyfile`/`copy`/`copy2` destinations (`copies`) and `pickle.dump` files (`pickles`);
+* with GPUMIGRATE_PROBE_FORWARDS=1 in the environment, every module forward, counted by class,
+  training mode and whether autograd was recording (`forwards`).
 
 When SCRIPT ends (also when it raises: the error is recorded, then re-raised) the probe writes
 OUT_DIR/rank{RANK}.json, and for each recorded model the flattened float64 parameter vector
@@ -39,6 +47,7 @@ OPTIONS (used to check a DDP run against the ORIGINAL single-GPU script, run in 
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import json
 import os
@@ -196,6 +205,164 @@ def _patch_module_tracking(eval_with) -> None:
     torch.nn.modules.module.register_module_forward_pre_hook(lambda module, inputs: REC.see(module))
 
 
+# ---------------------------------------------------------------- optimizers, loads, outputs, forwards
+
+class Extras:
+    """What the extra instrumentation records (for tests/test_patterns_e2e.py)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.optimizers: list = []      # {"optimizer", "initial", "steps", "changed"}, in construction order
+        self.by_id: dict = {}
+        self.loads: list = []
+        self.copies: list = []
+        self.pickles: list = []
+        self.forwards: dict = {}        # (class, class module, training, grad enabled) -> count
+
+
+EXTRA = Extras()
+
+
+def _optimizer_vector(optimizer) -> torch.Tensor:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([p.detach().to("cpu", torch.float64).reshape(-1) for p in params])
+
+
+def _patch_optimizers() -> None:
+    """Every Optimizer (subclasses call Optimizer.__init__), and whether each step moved it."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    original_init = torch.optim.Optimizer.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if EXTRA.active:
+            entry = {"optimizer": self, "initial": _optimizer_vector(self), "steps": 0, "changed": 0, "before": None}
+            EXTRA.optimizers.append(entry)
+            EXTRA.by_id[id(self)] = entry
+
+    def before_step(optimizer, args, kwargs):
+        entry = EXTRA.by_id.get(id(optimizer))
+        if entry is not None and entry["optimizer"] is optimizer:
+            entry["before"] = _optimizer_vector(optimizer)
+
+    def after_step(optimizer, args, kwargs):
+        entry = EXTRA.by_id.get(id(optimizer))
+        if entry is not None and entry["optimizer"] is optimizer and entry["before"] is not None:
+            entry["steps"] += 1
+            entry["changed"] += int(not torch.equal(entry["before"], _optimizer_vector(optimizer)))
+            entry["before"] = None
+
+    __init__.__wrapped__ = original_init
+    torch.optim.Optimizer.__init__ = __init__
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
+
+
+def _loaded_kind(obj) -> str:
+    if isinstance(obj, nn.parallel.DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(obj, nn.Module):
+        return "module"
+    if isinstance(obj, torch.Tensor):
+        return "tensor"
+    if _is_state_dict(obj):
+        return "state_dict"
+    if isinstance(obj, (list, tuple)) and any(isinstance(o, nn.Module) for o in obj):
+        return "container with a module"
+    return type(obj).__name__
+
+
+def _patch_loads_and_outputs() -> None:
+    import pickle
+    import shutil
+
+    original_load = torch.load
+
+    def load(f, *args, **kwargs):
+        result = original_load(f, *args, **kwargs)
+        if EXTRA.active:
+            path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
+            EXTRA.loads.append({"path": os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else str(path),
+                                "weights_only": kwargs.get("weights_only", "default"), "result": _loaded_kind(result)})
+        return result
+
+    load.__wrapped__ = original_load
+    torch.load = load
+
+    for name in ("copyfile", "copy", "copy2"):
+        original = getattr(shutil, name)
+
+        def copy(src, dst, *args, _original=original, _name=name, **kwargs):
+            if EXTRA.active:
+                EXTRA.copies.append({"function": _name, "src": os.path.abspath(os.fspath(src)),
+                                     "dst": os.path.abspath(os.fspath(dst))})
+            return _original(src, dst, *args, **kwargs)
+
+        copy.__wrapped__ = original
+        setattr(shutil, name, copy)
+
+    original_dump = pickle.dump
+
+    def dump(obj, file, *args, **kwargs):
+        if EXTRA.active:
+            name = getattr(file, "name", None)
+            EXTRA.pickles.append({"file": os.path.abspath(name) if isinstance(name, str) else repr(file),
+                                  "kind": type(obj).__name__})
+        return original_dump(obj, file, *args, **kwargs)
+
+    dump.__wrapped__ = original_dump
+    pickle.dump = dump
+
+
+def _patch_forwards() -> None:
+    def hook(module, inputs, output):
+        if EXTRA.active:
+            cls = type(module)
+            key = (cls.__qualname__, cls.__module__, bool(module.training), torch.is_grad_enabled())
+            EXTRA.forwards[key] = EXTRA.forwards.get(key, 0) + 1
+
+    torch.nn.modules.module.register_module_forward_hook(hook)
+
+
+def _patch_extras() -> None:
+    """The instrumentation described under `optimizers`, `torch_loads`, `copies`, `pickles`
+    and `forwards` in the module docstring; it records while SCRIPT runs."""
+    _patch_optimizers()
+    _patch_loads_and_outputs()
+    if os.environ.get("GPUMIGRATE_PROBE_FORWARDS"):
+        _patch_forwards()
+    EXTRA.active = True
+
+
+def _describe_extras(out_dir: Path, rank: int) -> dict:
+    """Stop recording; the report entries, and the optimizers' vectors as .pt files."""
+    EXTRA.active = False
+    optimizers = []
+    for i, entry in enumerate(EXTRA.optimizers):
+        optimizer = entry["optimizer"]
+        final = _optimizer_vector(optimizer)
+        TORCH_SAVE(final, out_dir / f"rank{rank}_optim{i}.pt")
+        TORCH_SAVE(entry["initial"], out_dir / f"rank{rank}_optim{i}_init.pt")
+        optimizers.append({
+            "index": i,
+            "class": type(optimizer).__qualname__,
+            "groups": len(optimizer.param_groups),
+            "tensors": sum(len(g["params"]) for g in optimizer.param_groups),
+            "num_params": int(final.numel()),
+            "steps": entry["steps"],
+            "steps_that_changed_parameters": entry["changed"],
+            "vector": f"rank{rank}_optim{i}.pt",
+            "initial": f"rank{rank}_optim{i}_init.pt",
+        })
+    forwards = [{"module": k[0], "module_of_class": k[1], "training": k[2], "grad_enabled": k[3], "calls": n}
+                for k, n in sorted(EXTRA.forwards.items())]
+    return {"optimizers": optimizers, "torch_loads": EXTRA.loads, "copies": EXTRA.copies,
+            "pickles": EXTRA.pickles, "forwards": forwards}
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def _is_state_dict(obj) -> bool:
@@ -262,7 +429,9 @@ def _sha(tensors) -> str:
     for name, tensor in tensors:
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():  # the raw bytes, without numpy (a torch-only venv has none)
+            raw = t.reshape(-1).view(torch.uint8)
+            digest.update(ctypes.string_at(raw.data_ptr(), raw.numel()))
     return digest.hexdigest()
 
 
@@ -313,6 +482,7 @@ def main(argv) -> None:
     _patch_save()
     if load or eval_with:  # only for the reference run: keeps the runs under test as plain as possible
         _patch_module_tracking(eval_with)
+    _patch_extras()
 
     # As `python SCRIPT` would: argv, and the script's own directory first on sys.path.
     sys.argv = [script, *args]
@@ -352,6 +522,10 @@ def main(argv) -> None:
         "wrap_calls": REC.wrap_calls,
         "saves": REC.saves,
     }
+    try:
+        report.update(_describe_extras(out_dir, rank))
+    except Exception as exc:  # the report must be written whatever happens here
+        report["extras_error"] = f"{type(exc).__name__}: {exc}"
     try:
         report["models"] = _describe_models(out_dir, rank)
     except Exception as exc:

@@ -34,32 +34,22 @@ The `ddp` marker has to be registered in pyproject.toml next to `e2e`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import pytest
-import torch
 
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES
+from tests.probe_runs import NPROC, Run, run_probe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ddp]
 
-PROBE = ROOT / "tests" / "ddp_probe.py"
 GOLDENS = Path(os.environ.get("GPUMIGRATE_DDP_GOLDENS") or FIXTURES / "expected" / "ddp")
 DDP_FIXTURES = ["mnist_2019.py", "resnet_dataparallel.py", "dcgan_gan.py", "checkpoint_resume.py", "local_rank_launch.py"]
-NPROC = 2
-TIMEOUT = 120
 PARAM_TOL = 1e-6
 
 # The single-process reference for checks 6 and 7: the original itself, except where the
@@ -81,72 +71,9 @@ EPOCH_LINES = {
     "local_rank_launch.py": [r"^epoch \d+ \|", r"^checkpoint written"],
 }
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|nan|inf")
-# A launcher's variables in pytest's own environment must not leak into the runs.
-LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-               "MASTER_ADDR", "MASTER_PORT"}
 
 
 # ---------------------------------------------------------------- running
-
-@dataclass
-class Run:
-    kind: str
-    cmd: List[str]
-    returncode: Optional[int]  # None: killed at the timeout
-    stdout: str
-    stderr: str
-    seconds: float
-    work: Path
-    out: Path
-    ranks: Dict[int, dict] = field(default_factory=dict)
-
-    def why(self) -> str:
-        status = f"timed out after {TIMEOUT} s" if self.returncode is None else f"exit {self.returncode}"
-        errors = "".join(f"\n--- rank {r}: {rep['error']['traceback']}" for r, rep in sorted(self.ranks.items())
-                         if rep.get("error"))
-        return f"{self.kind} run {status} ({' '.join(self.cmd)}){errors}\n--- stderr tail ---\n{self.stderr[-3000:]}"
-
-    def vector(self, rank: int, index: int) -> torch.Tensor:
-        return torch.load(self.out / f"rank{rank}_model{index}.pt")
-
-    def checkpoint_files(self) -> List[Path]:
-        """*.pt files the script left in its cwd or temp dir (not the probe's own)."""
-        return sorted(p for p in self.work.rglob("*.pt") if self.out not in p.parents)
-
-
-def run_probe(script: Path, work: Path, nproc: int, args: Sequence[str] = (), probe_args: Sequence[str] = (),
-              kind: str = "") -> Run:
-    """Copy `script` into `work` and run it there under the probe: `python` for one process,
-    `torchrun --standalone` for more. TMPDIR is `work/tmp`, so whatever the script writes to
-    tempfile.gettempdir() (or mkdtemp) lands inside `work` too."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "tmp").mkdir(exist_ok=True)
-    local = work / script.name
-    shutil.copy(script, local)
-    out = work / "probe"
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=str(work / "tmp"), PYTHONHASHSEED="0")
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, str(PROBE), *probe_args, str(out), str(local), *args]
-    start = time.perf_counter()
-    # Own session: at the timeout, kill torchrun *and* its workers (stuck in a collective, say).
-    proc = subprocess.Popen(cmd, cwd=str(work), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-        code: Optional[int] = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        code = None
-    run = Run(kind or f"{nproc}-process", cmd, code, stdout, stderr, time.perf_counter() - start, work, out)
-    for report in sorted(out.glob("rank*.json")):
-        data = json.loads(report.read_text())
-        run.ranks[data["rank"]] = data
-    return run
-
 
 class DDPRuns:
     """Each fixture's runs, made on first use and kept for the whole module."""
@@ -378,7 +305,7 @@ def test_accuracy_equals_single_process_eval_of_saved_weights(name, ddp_runs):
     ddp = list(pattern.finditer(run.stdout))
     own = list(pattern.finditer(reference.stdout))
     assert ddp, f"no test-set line ({pattern.pattern}) in the torchrun output"
-    assert own, f"no test-set line in the original's output"
+    assert own, "no test-set line in the original's output"
     last, expected = ddp[-1], own[-1]
     assert (last["correct"], last["total"]) == (expected["correct"], expected["total"]), (
         f"torchrun printed {last.group(0)!r}; the original evaluating the saved weights printed {expected.group(0)!r}")
