@@ -135,3 +135,25 @@ def test_set_device_alone_in_a_function_leaves_pass():
             torch.cuda.set_device(0)
         """)
     assert "def pin():\n    pass\n" in out
+
+
+def test_guard_around_a_cuda_tensor_type_goes_too():
+    out = fix("""\
+        import torch
+        cuda = True if torch.cuda.is_available() else False
+        x = torch.randn(8, 4)
+        if cuda:
+            x = x.type(torch.cuda.FloatTensor)
+        """)
+    assert "if cuda" not in out and "x = x.to(device, torch.float32)" in out
+
+
+def test_weights_only_false_for_a_model_whose_class_is_imported():
+    out = fix("""\
+        import torch
+        from mymodels import Net
+        model = Net()
+        torch.save(model, 'model.pt')
+        model = torch.load('model.pt')
+        """)
+    assert "torch.load('model.pt', map_location=device, weights_only=False)" in out

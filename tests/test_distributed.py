@@ -212,4 +212,43 @@ def test_outputs_opened_for_writing_go_to_devnull_on_other_ranks():
     out, _ = ddp("import csv\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                  "log = open('log.csv', 'w'); writer = csv.writer(log)\n" + TRAIN + "writer.writerow([1])\n")
     assert "log = open('log.csv' if is_main_process() else os.devnull, 'w')" in out
-    assert "if is_main_process():\n    writer.writerow([1])" in out
+    assert "\nwriter.writerow([1])" in out  # it writes to os.devnull on the other ranks: no gate
+
+
+def test_a_gradient_penalty_keeps_models_unwrapped_and_is_reported():
+    out, reviews = ddp("""\
+        D = torch.nn.Linear(4, 1)
+        opt = torch.optim.Adam(D.parameters())
+        for x, y in DataLoader(train_set, shuffle=True):
+            inter = x.requires_grad_()
+            grads = torch.autograd.grad(D(inter).sum(), inter, create_graph=True)[0]
+            (D(x).mean() + grads.norm()).backward()
+            opt.step()
+        """)
+    assert "wrap_model" not in out and "distributed_sampler" not in out
+    assert any("double backward" in r for r in reviews)
+
+
+@pytest.mark.parametrize("test, unused", [("self.downsample", False), ("x.sum() > 0", True)])
+def test_find_unused_parameters_only_for_branches_on_the_input(test, unused):
+    out, _ = ddp(textwrap.dedent(f"""\
+        class Block(torch.nn.Module):
+            def __init__(self, downsample=None):
+                super().__init__()
+                self.fc = torch.nn.Linear(4, 1)
+                self.extra = torch.nn.Linear(4, 1)
+                self.downsample = downsample
+            def forward(self, x):
+                if {test}:
+                    return self.extra(x)
+                return self.fc(x)
+        model = Block()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        """) + TRAIN)
+    assert ("find_unused_parameters=True" in out) is unused
+
+
+def test_helpers_from_the_projects_other_files_are_reported_in_loops():
+    _, reviews = ddp("from utils import progress_bar\nmodel = torch.nn.Linear(4, 1)\n"
+                     "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN + "        progress_bar(epoch)\n")
+    assert any("`utils.progress_bar` comes from another file" in r for r in reviews)

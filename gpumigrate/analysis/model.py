@@ -237,7 +237,7 @@ class ScriptModel:
         return False
 
     def _holds_module(self, expr: cst.BaseExpression) -> bool:
-        if self.kind(expr) in v.MODULES:
+        if self.kind(expr) in v.MODULES or (isinstance(expr, (cst.Name, cst.Attribute)) and self.module_like(expr)):
             return True
         if isinstance(expr, (cst.List, cst.Tuple)):
             return any(self._holds_module(e.value) for e in expr.elements)
@@ -716,6 +716,9 @@ class ScriptModel:
             elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                 out.append(Consumption(node, node.args[0].value, self._loop_trains(node)))
+            elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and \
+                    node.func.attr.value == "next" and not node.args and self.kind(node.func.value) == v.ITERATOR:
+                out.append(Consumption(node, node.func.value, self._loop_trains(node)))  # Python 2's it.next()
         return out
 
     def _loop_trains(self, node: cst.CSTNode) -> bool:

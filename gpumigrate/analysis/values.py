@@ -366,6 +366,8 @@ class Values:
             return PARAMS
         if method == "item":
             return NUMBER
+        if method == "next" and not call.args and receiver == ITERATOR:
+            return BATCH
         if method in REDUCTIONS and not _dim_given(call) and receiver in TENSORS | {BATCH}:
             return LOSS if receiver == LOSS and method in ("sum", "mean") else SCALAR
         if method == "detach" and receiver in ZERO_DIM:

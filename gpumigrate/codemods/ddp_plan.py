@@ -30,6 +30,14 @@ _RANK0_TEST = re.compile(r"(rank\b[^=]*==\s*0|rank\s+in\s*[\[(]\s*-1\s*,\s*0|ran
 # rank 0 of the whole job (not `local_rank == 0`, true once per machine)
 _MAIN_RANK_TEST = re.compile(r"(is_main_process\(\)|get_rank\(\)\s*==\s*0|(^|[^_\w])(args\.|self\.)?(global_)?rank\s*==\s*0|"
                              r"is_master)")
+# Top-level packages that are not the project's own files (for calls the migration cannot read).
+_LIBRARIES = frozenset({
+    "torch", "torchvision", "torchaudio", "torchtext", "numpy", "scipy", "pandas", "sklearn", "matplotlib", "PIL",
+    "cv2", "tqdm", "os", "sys", "math", "time", "random", "json", "logging", "shutil", "pickle", "csv", "re",
+    "argparse", "collections", "itertools", "functools", "datetime", "pathlib", "tempfile", "warnings", "copy",
+    "gpumigrate", "transformers", "timm", "apex", "wandb", "tensorboardX", "visdom", "yaml", "h5py", "glob",
+    "subprocess", "socket", "uuid", "typing", "io", "gc", "contextlib", "operator", "string", "struct", "signal",
+})
 _UNSAFE_METHODS = re.compile(r"^(train|test|eval|evaluate|validate|step|backward|run|fit|all_reduce|barrier|reduce.*|"
                              r"broadcast.*|gather.*|update|forward)$")
 _SAFE_CALLS = {"str", "int", "float", "len", "round", "abs", "min", "max", "sum", "repr", "format", "sorted", "list",
@@ -154,23 +162,56 @@ class DdpPlan:
         if not self.active:
             return []
         out: List[Wrap] = []
-        conditional = self._conditional_forward()
+        if self._double_backward:
+            return out  # DDP cannot average gradients of a gradient: nothing is wrapped (a blocker)
         for model in self.model.trained_models:
             if model.loss_module:
                 continue
             wrap = self._wrap_point(model)
             if wrap is not None:
-                wrap.find_unused = conditional
+                wrap.find_unused = self._conditional_forward(model)
                 out.append(wrap)
         return out
 
-    def _conditional_forward(self) -> bool:
-        """A model class of this file whose forward branches: some parameters may get no
-        gradient in a step, which DDP must be told about."""
-        for cls in self.s.classes.values():
-            forward = cls.methods.get("forward")
-            if forward is not None and self.s.own(forward.node, cst.If) and \
-                    self.model.values.class_kind(cls) == v.MODULE:
+    def _conditional_forward(self, model: TrainedModel) -> bool:
+        """Does the model's forward (or a forward of a module class of this file it holds)
+        branch on what it is given? Then some parameters may get no gradient in a step, which
+        DDP must be told (`find_unused_parameters=True`). Branches on the module's own settings
+        (`if self.downsample:`) are the same every step and need no such cost."""
+        cls = self.s.instance_class(cst.parse_expression(model.name), model.scope) if "." not in model.name else None
+        if cls is None:
+            _, bindings = self.s.lookup(model.name, model.scope)
+            calls = [b.value for b in bindings if b.how == "assign" and isinstance(b.value, cst.Call)]
+            names = {c.func.value for c in calls if isinstance(c.func, cst.Name)}
+            classes = [self.s.classes_by_name[n] for n in names if n in self.s.classes_by_name]
+        else:
+            classes = [cls]
+        seen: Set[int] = set()
+        while classes:
+            current = classes.pop()
+            if id(current.node) in seen:
+                continue
+            seen.add(id(current.node))
+            forward = self.s.method(current, "forward")
+            if forward is not None and any(self._dynamic(test.test, forward) for test in self.s.own(forward.node, cst.If)):
+                return True
+            for bindings in current.attrs.values():  # submodules: self.block = Block(...)
+                for b in bindings:
+                    if isinstance(b.value, cst.Call) and isinstance(b.value.func, cst.Name) and \
+                            b.value.func.value in self.s.classes_by_name:
+                        classes.append(self.s.classes_by_name[b.value.func.value])
+        return False
+
+    def _dynamic(self, test: cst.BaseExpression, forward: Function) -> bool:
+        """A test on the forward's inputs or locals (not only on `self.` settings and constants)."""
+        skip = set()
+        for node in self.s.index.subtree(test):
+            if isinstance(node, cst.Attribute):
+                skip.add(id(node.attr))
+                if isinstance(node.value, cst.Name) and node.value.value == "self":
+                    skip.add(id(node.value))
+            elif isinstance(node, cst.Name) and id(node) not in skip and node.value not in ("True", "False", "None") \
+                    and node.value in forward.scope.bindings:
                 return True
         return False
 
@@ -252,6 +293,11 @@ class DdpPlan:
             return []
         out = []
         wrapped = {w.name for w in self.wraps}
+        if self._double_backward:
+            out.append((self._double_backward, "a gradient taken with create_graph=True and backpropagated again "
+                                               "(a gradient penalty): DDP does not support double backward through "
+                                               "a wrapped model, so no model is wrapped"))
+            return out
         for opt in self.model.optimizers:
             if opt.functional:
                 out.append((opt.site, "the optimizer trains tensors, not a module (a functional model): DDP has "
@@ -267,6 +313,17 @@ class DdpPlan:
                 out.append((model.optimizers[0].site, f"no place to wrap `{model.name}` (bound in a loop or "
                                                       "where its optimizer cannot see it)"))
         return out
+
+    @cached_property
+    def _double_backward(self) -> Optional[cst.Call]:
+        """`torch.autograd.grad(..., create_graph=True)`: the first such call, if any."""
+        for node in self.s.index.order:
+            if isinstance(node, cst.Call) and self.model.qualify(node.func) in ("torch.autograd.grad",
+                                                                                "torch.autograd.functional.jacobian"):
+                flag = call_argument(node, "create_graph", 4)
+                if flag is not None and not (isinstance(flag, cst.Name) and flag.value == "False"):
+                    return node
+        return None
 
     @cached_property
     def shard_training(self) -> bool:
@@ -356,10 +413,44 @@ class DdpPlan:
         return False
 
     def _eval_shardable(self, loader: Loader) -> bool:
+        return self.why_whole(loader) is None
+
+    def why_whole(self, loader: Loader) -> Optional[str]:
+        """Why an evaluation loader cannot be sharded, or None: every loop over it must keep
+        plain sums, run on every rank alike, and run under no_grad (with autograd on, each
+        forward of a DDP model broadcasts buffers, a collective, and unequal shards would leave
+        a rank waiting)."""
+        from gpumigrate.codemods.memory import under_no_grad_after_migration  # a device-target fact
+
         loops = [c.node for c in loader.consumers if not c.trains]
-        if not loops or any(not isinstance(l, cst.For) for l in loops):
-            return False
-        return all(self.metrics(l) is not None and self.uniform(l) for l in loops)
+        if not loops:
+            return "it is never iterated where the migration can see"
+        if any(not isinstance(l, cst.For) for l in loops):
+            return "it is consumed with next(), not a for loop"
+        for loop in loops:
+            if self.metrics(loop) is None:
+                what = self._blockers.get(id(loop))
+                return f"its loop keeps more than sums (`{what}`)" if what else "its loop keeps more than sums"
+            if not self.uniform(loop):
+                return "not every rank runs its loop equally often"
+            if self._calls_wrapped(loop) and not under_no_grad_after_migration(self.ctx, loop):
+                return "its loop runs the wrapped model with autograd on (no torch.no_grad())"
+        return None
+
+    def _calls_wrapped(self, node: cst.CSTNode, depth: int = 0) -> bool:
+        """Does running `node` call a model this plan wraps (directly or through functions of
+        this file)?"""
+        for call in self.s.inside(node, cst.Call):
+            if dotted(call.func) is not None and self.wrapped_reference(call.func):
+                return True
+            target = self.s.callee(call)
+            if target is not None and depth < 4 and self._calls_wrapped(target.node, depth + 1):
+                return True
+        return False
+
+    @cached_property
+    def _blockers(self) -> Dict[int, str]:
+        return {}
 
     def metrics(self, loop: cst.For) -> Optional[List[str]]:
         """The sums an evaluation loop accumulates, if they are all it keeps: `+=` into numbers
@@ -375,21 +466,29 @@ class DdpPlan:
         scope = self.s.scope(loop)
         accumulators: List[str] = []
         temporaries: Set[str] = set()
+        self._offender: Optional[cst.CSTNode] = None
         if not self._plain_block(loop.body, accumulators, temporaries):
-            return None
+            return self._blocked(loop, self._offender)
         for name in accumulators:
             _, bindings = self.s.lookup(name, scope, self.s.order(loop))
             if not bindings or not all(b.how in ("assign", "aug", "unpack") for b in bindings) or \
                     not any(_initial_zero(b, self.model.qualify) for b in bindings):
-                return None
+                return self._blocked(loop, None, f"{name} does not start from a number")
         end = self.s.index.end[id(loop)]
         for name in temporaries - set(accumulators):
             for node in self.s.index.order[end:]:
                 if isinstance(node, cst.Name) and node.value == name and self.s.scope(node) is scope:
                     _, bindings = self.s.lookup(name, scope, self.s.order(self.s.statement(node) or node))
                     if any(self.s.index.contains(loop, b.stmt) for b in bindings):
-                        return None  # a per-batch value read after the loop
+                        return self._blocked(loop, None, f"{name} is read after the loop")
         return accumulators
+
+    def _blocked(self, loop: cst.For, node: Optional[cst.CSTNode], text: str = "") -> None:
+        if node is not None:
+            text = " ".join(self.ctx.module.code_for_node(node).split())
+            text = text if len(text) <= 50 else text[:47] + "..."
+        self._blockers[id(loop)] = text
+        return None
 
     def _plain_block(self, suite: cst.BaseSuite, accumulators: List[str], temporaries: Set[str]) -> bool:
         body = suite.body if isinstance(suite, cst.IndentedBlock) else [suite]
@@ -397,6 +496,7 @@ class DdpPlan:
             if isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
                 for small in stmt.body:
                     if not self._plain_small(small, accumulators, temporaries):
+                        self._offender = small
                         return False
             elif isinstance(stmt, cst.If):
                 branch: Optional[cst.CSTNode] = stmt
@@ -414,6 +514,7 @@ class DdpPlan:
                 if stmt.orelse is not None or not self._plain_block(stmt.body, accumulators, temporaries):
                     return False
             else:
+                self._offender = stmt
                 return False
         return True
 
@@ -455,8 +556,16 @@ class DdpPlan:
         return False
 
     def _mutates(self, fn: Function) -> bool:
-        return any(isinstance(c.func, cst.Attribute) and c.func.attr.value in ("append", "extend", "update", "write")
-                   for c in fn.calls) or bool(self.s.own(fn.node, (cst.Global, cst.Nonlocal)))
+        """Does a function change state that outlives it (a parameter's, a global's, an
+        attribute's), rather than only its own locals?"""
+        for c in fn.calls:
+            if isinstance(c.func, cst.Attribute) and c.func.attr.value in ("append", "extend", "update", "write", "add"):
+                receiver = c.func.value
+                local = isinstance(receiver, cst.Name) and any(
+                    b.how in ("assign", "unpack", "loop") for b in fn.scope.bindings.get(receiver.value, []))
+                if not local:
+                    return True
+        return bool(self.s.own(fn.node, (cst.Global, cst.Nonlocal)))
 
     @cached_property
     def reductions(self) -> Dict[int, List[str]]:
@@ -617,13 +726,35 @@ class DdpPlan:
             if not (isinstance(small, cst.Expr) and isinstance(small.value, cst.Call)):
                 return None
             kind = self.model.output_call(small.value)
-            if kind is None or self._per_rank_file(small.value):
+            if kind is None or self._per_rank_file(small.value) or self._to_devnull_file(small.value):
                 return None
             verdicts.append(self._safe_args(small.value))
         if self.gated(line, main_only=True) or self._in_gated_function(line) or self.model.rank_query(line) \
                 or self._in_logger(line):
             return None  # already on rank 0 only, or written per rank on purpose (`rank%d.txt`)
         return all(verdicts)
+
+    def _to_devnull_file(self, call: cst.Call) -> bool:
+        """A write to a file this plan opens on `os.devnull` on the other ranks (directly, or
+        through a csv writer over it): no gate needed."""
+        receiver = call.func.value if isinstance(call.func, cst.Attribute) else None
+        return isinstance(receiver, cst.Name) and self._devnull_holder(receiver, 0)
+
+    def _devnull_holder(self, name: cst.Name, depth: int) -> bool:
+        _, bindings = self.s.lookup(name.value, self.s.scope(name), self.s.order(self.s.statement(name) or name))
+        if not bindings or depth > 2:
+            return False
+        for b in bindings:
+            value = b.value
+            if not isinstance(value, cst.Call):
+                return False
+            if id(value) in self._devnull_candidates or _devnull_already(value):
+                continue
+            if (self.model.qualify(value.func) or "") in ("csv.writer", "csv.DictWriter") and value.args and \
+                    isinstance(value.args[0].value, cst.Name) and self._devnull_holder(value.args[0].value, depth + 1):
+                continue
+            return False
+        return True
 
     def _per_rank_file(self, call: cst.Call) -> bool:
         """A write to a file whose name depends on the rank (`open("log_rank%d.txt" % rank)`):
@@ -905,8 +1036,8 @@ class DdpPlan:
         return not self.model.trains(node)
 
     @cached_property
-    def devnull_opens(self) -> Set[int]:
-        """`f = open(path, "w")` on every rank: the other ranks write to os.devnull instead."""
+    def _devnull_candidates(self) -> Set[int]:
+        """Files opened for writing on every rank, outside any rank-0 code and not per rank."""
         out: Set[int] = set()
         if not self.active:
             return out
@@ -917,10 +1048,20 @@ class DdpPlan:
                 if isinstance(parent, cst.WithItem) and id(self.s.parent(parent)) in self.gated_withs:
                     continue
                 if self.gated(node, main_only=True) or self._in_gated_function(node) or self._in_logger(node) \
-                        or id(self.s.line(node)) in self.gated_lines or self.model.rank_query(node):
+                        or self.model.rank_query(node):
                     continue
                 out.add(id(node))
         return out
+
+    @cached_property
+    def devnull_opens(self) -> Set[int]:
+        """`f = open(path, "w")` on every rank: the other ranks write to os.devnull instead
+        (an open inside an output statement this plan gates needs none)."""
+        return {i for i in self._devnull_candidates
+                if id(self.s.line(self._node(i))) not in self.gated_lines}
+
+    def _node(self, node_id: int) -> cst.CSTNode:
+        return next(n for n in self.s.index.order if id(n) == node_id)
 
     # -- epochs --------------------------------------------------------------------------
     def set_epoch_points(self) -> Dict[int, List[str]]:
@@ -973,6 +1114,12 @@ class DdpPlan:
                             not self._preceded_by_set_epoch(line):
                         out[id(line)] = name
         return out
+
+    def _epoch_bounded(self, line: cst.CSTNode, name: str) -> bool:
+        """`for i in range(len(loader)): next(it)`: each pass is one (per-rank) epoch."""
+        render = self.ctx.module.code_for_node
+        return any(isinstance(loop, cst.For) and f"len({name})" in render(loop.iter).replace(" ", "")
+                   for loop in self.s.inside(self.s.block(line) if self.s.block(line) is not None else line, cst.For))
 
     def _preceded_by_set_epoch(self, line: cst.CSTNode) -> bool:
         block = self.s.block(line)
@@ -1079,15 +1226,15 @@ class DdpPlan:
         if not self.model.optimizers:
             first = (self.model.backward_calls or self.model.step_calls)[0]
             items.append((first, "training found, but no torch.optim optimizer whose modules can be followed "
-                                 "(updates by hand?): nothing is DDP-wrapped and the data is not sharded, so every "
-                                 "rank trains the same, as one process would"))
+                                 "(updates by hand?): nothing is DDP-wrapped and the data is not sharded, so each "
+                                 "rank trains by itself as one process would; rank 0 prints and saves"))
         if self.blockers and any(l.role in ("train", "flag") for l in self.model.loaders):
             items.append((self.blockers[0][0], "training data NOT sharded, because a trained module is not "
-                                               "DDP-wrapped: every rank trains on the whole dataset (the same "
-                                               "result as one process, without the speed-up)"))
+                                               "DDP-wrapped: each rank trains on the whole dataset by itself, as "
+                                               "one process would (rank 0 prints and saves); no speed-up"))
         if self.shard_training and not any(l.role in ("train", "flag") for l in self.model.loaders):
             first = (self.model.backward_calls or self.model.step_calls)[0]
-            items.append((first, "training data does not come from a DataLoader: it is not sharded, so every rank "
+            items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded, so every rank "
                                  "trains on the same batches (correct, but no faster); shard the index range by "
                                  "get_rank()/get_world_size() by hand"))
         for loader in self.model.loaders:
@@ -1102,17 +1249,19 @@ class DdpPlan:
                                                "cannot reach its sampler, so every epoch has the same order; "
                                                "build it once, before the epoch loop"))
             if loader.role == "eval" and (edit is None or not edit.eval_sharded) and self.shard_training:
-                items.append((loader.call, "evaluation not sharded (its metrics are kept in objects or lists, or "
-                                           "not every rank reaches it equally): every rank evaluates the whole set "
+                why = self.why_whole(loader) or "its DataLoader call cannot take a sampler here"
+                items.append((loader.call, f"evaluation not sharded ({why}): every rank evaluates the whole set "
                                            "and gets the same numbers; correct, not faster"))
             if edit is not None and edit.kind == "flag" and not edit.eval_sharded:
-                items.append((loader.call, f"evaluation (`{edit.flag}` false) not sharded (its metrics are kept in "
-                                           "objects or lists): every rank evaluates the whole set and gets the same "
-                                           "numbers; correct, not faster"))
+                items.append((loader.call, f"evaluation (`{edit.flag}` false) not sharded ({self.why_whole(loader)}): "
+                                           "every rank evaluates the whole set and gets the same numbers; correct, "
+                                           "not faster"))
             if loader.role == "both" and self.shard_training:
                 items.append((loader.call, "this loader is used for training and for evaluation: not sharded"))
         for line_id, name in self.rebuild_points().items():
             line = next(n for n in self.s.index.order if id(n) == line_id)
+            if self._epoch_bounded(line, name):
+                continue
             items.append((line, f"iteration-based training: an epoch of `{name}` is now len(dataset) / WORLD_SIZE "
                                 "samples per rank, and the same number of iterations trains on WORLD_SIZE times "
                                 "the data"))
@@ -1125,12 +1274,38 @@ class DdpPlan:
         items.extend((node, "a GPU chosen by index in every process: under torchrun each process needs its own "
                             "(LOCAL_RANK's), which `get_device()` without an index gives")
                      for node in self._indexed_devices())
+        items.extend(self._foreign_helpers())
         seeds = [c for c in self.s.index.order if isinstance(c, cst.Call) and self.model.qualify(c.func) in (
             "torch.manual_seed", "random.seed", "numpy.random.seed")]
         if seeds and self.shard_training:
             items.append((seeds[0], "every rank seeds the same: random augmentation and dropout repeat across "
                                     "ranks; add get_rank() to the seed if they should differ"))
         return items
+
+    def _foreign_helpers(self) -> List[Tuple[cst.CSTNode, str]]:
+        """Statements in a training or evaluation loop that only call a function imported from
+        the project's own files (`progress_bar(...)` from utils.py): it may print or write on
+        every rank, and the migration cannot see inside. Once per function."""
+        loops = [c.node if isinstance(c.node, (cst.For, cst.While)) else next(
+            (a for a in self.s.ancestors(c.node) if isinstance(a, (cst.For, cst.While))), None)
+            for l in self.model.loaders for c in l.consumers]
+        seen: Set[str] = set()
+        out = []
+        for loop in loops:
+            if loop is None:
+                continue
+            for expr in self.s.own(loop, cst.Expr):
+                call = expr.value
+                if not isinstance(call, cst.Call) or not isinstance(call.func, (cst.Name, cst.Attribute)):
+                    continue
+                qualified = self.model.qualify(call.func) or ""
+                top = qualified.split(".")[0]
+                if not qualified or qualified in seen or top in _LIBRARIES or self.model.output_call(call):
+                    continue
+                seen.add(qualified)
+                out.append((call, f"`{qualified}` comes from another file of the project: if it prints or writes, "
+                                  "it does so on every rank; put it under `if is_main_process():` if it only reports"))
+        return out
 
     def _indexed_devices(self) -> List[cst.CSTNode]:
         """`torch.device("cuda", args.gpu)`, `"cuda:1"`, `.cuda(1)`: kept as the script's choice
@@ -1186,6 +1361,13 @@ class DdpPlan:
                         break
         return out
 
+
+
+def _devnull_already(call: cst.Call) -> bool:
+    """`open(path if is_main_process() else os.devnull, ...)`, from an earlier run."""
+    first = call.args[0].value if call.args else None
+    return isinstance(call.func, cst.Name) and call.func.value == "open" and isinstance(first, cst.IfExp) \
+        and cst.Module(body=[]).code_for_node(first.orelse) == "os.devnull"
 
 
 def _initial_zero(b, qualify) -> bool:

@@ -340,12 +340,17 @@ class HardcodedDevice(Rule):
             stmts = [cst.SimpleStatementLine(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)])
                      for s in updated.body.body]
             originals = list(body.body)
-        if not all(findall(s, _CUDA_METHOD) for s in originals) or any(findall(s, _CUDA_METHOD) for s in stmts):
+        if not all(self._hardcodes_cuda(s) for s in originals) or any(self._hardcodes_cuda(s) for s in stmts):
             return None
         self.report(original, f"`if {test}:` guard around `.cuda()`: the device already says where to run"
                     + (" (its `else` did the same on the CPU)" if original.orelse is not None else ""))
         stmts[0] = stmts[0].with_changes(leading_lines=[*original.leading_lines, *stmts[0].leading_lines])
         return cst.FlattenSentinel(stmts)
+
+    def _hardcodes_cuda(self, stmt: cst.CSTNode) -> bool:
+        """`.cuda()` or a CUDA tensor type (`x.type(torch.cuda.FloatTensor)`) in a statement."""
+        return bool(findall(stmt, _CUDA_METHOD)) or any(
+            cuda_type_dtype(self.qualify(a)) for a in findall(stmt, m.Attribute()))
 
     def _cpu_twin(self, node: cst.If) -> bool:
         """`if cuda: x = x.cuda() else: x = x`: the `else` is the body without `.cuda()`, so

@@ -919,8 +919,11 @@ class WrappedAttribute(Rule):
         if attr in _SAFE_ATTRIBUTES or attr.startswith("__") or not self.wrapped(original.value):
             return None
         name = dotted(original.value)
-        self.report(original, f"`{name}.{attr}` through a wrapped model raises AttributeError "
-                              f"under DDP (or saves `module.`-prefixed keys); use `unwrap_model({name})`")
+        if attr in ("state_dict", "load_state_dict"):
+            why = f"`{name}.{attr}` of a wrapped model has `module.`-prefixed keys"
+        else:
+            why = f"`{name}.{attr}` through a wrapped model raises AttributeError under DDP"
+        self.report(original, f"{why}; use `unwrap_model({name})`")
         return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
 
 

@@ -680,6 +680,51 @@ class DataAccumulatorIndex(Rule):
         return None
 
 
+class IteratorNextMethod(Rule):
+    """
+    ## What it does
+    Finds `it.next()` on an iterator of a DataLoader (`it = iter(loader)`).
+
+    ## Why is this bad?
+    Python 3 iterators have no `.next()` method; old DataLoader iterators kept one for Python 2
+    scripts and today's do not: `AttributeError: '_SingleProcessDataLoaderIter' object has no
+    attribute 'next'`.
+
+    ## Example
+    ```python
+    data_iter = iter(loader)
+    images, labels = data_iter.next()
+    ```
+
+    ## Use instead
+    ```python
+    images, labels = next(data_iter)
+    ```
+    """
+
+    code = "GM210"
+    name = "iterator-next-method"
+    message = "`.next()` on a DataLoader iterator is gone; use `next(it)`"
+    fixed_in = frozenset({"device"})
+    triggers = (".next()",)
+    examples = (
+        Flagged(
+            "from torch.utils.data import DataLoader\nit = iter(DataLoader(ds))\nx = it.next()\n",
+            fixed="from torch.utils.data import DataLoader\nit = iter(DataLoader(ds))\nx = next(it)\n",
+        ),
+        Clean("it = iter(items)\nx = next(it)\nnode = tree.next()\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if not (is_method_call(original, "next") and not original.args):
+            return None
+        if script_model(self.ctx).kind(original.func.value) != v.ITERATOR:
+            return None
+        self.report(original)
+        return cst.Call(func=cst.Name("next"), args=[cst.Arg(updated.func.value)]).with_changes(
+            lpar=updated.lpar, rpar=updated.rpar)
+
+
 class ScalarMetricAccumulation(Rule):
     """
     ## What it does

@@ -232,6 +232,87 @@ def _own_body(func: cst.FunctionDef):
     return [s for s in func.body.body if not isinstance(s, (cst.FunctionDef, cst.ClassDef))]
 
 
+class _EvalPlan:
+    """Which evaluation code GM303 puts under `torch.no_grad()`: functions that evaluate
+    (`model.eval()`, or named like evaluation and running a model) and never train, and loops
+    after `model.eval()` at module or `main()` level."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.model = script_model(ctx)
+        self.functions: Set[int] = set()  # evaluation functions that get `@torch.no_grad()`
+        self.loops: Set[int] = set()  # evaluation loops that get `with torch.no_grad():`
+        self._blocks(ctx.module.body, decorated=False)
+
+    def covers(self, node: cst.CSTNode) -> bool:
+        """Will `node` run under a `no_grad` this plan adds?"""
+        return any(id(a) in self.functions or id(a) in self.loops for a in [node, *self.model.s.ancestors(node)])
+
+    def _blocks(self, body, decorated: bool) -> None:
+        """Mark evaluation functions, and evaluation loops after `model.eval()` in a block."""
+        evaluating = False
+        for stmt in body:
+            if isinstance(stmt, cst.FunctionDef):
+                marked = self._evaluation_function(stmt)
+                if marked:
+                    self.functions.add(id(stmt))
+                self._blocks(stmt.body.body, decorated=marked or self.model.under_no_grad(stmt))
+                continue
+            if isinstance(stmt, cst.ClassDef):
+                for inner in stmt.body.body:
+                    if isinstance(inner, cst.FunctionDef) and _function_calls_eval(self.model, inner) and \
+                            self._evaluation_function(inner, method=True):
+                        self.functions.add(id(inner))
+                continue
+            if isinstance(stmt, cst.SimpleStatementLine):
+                if findall(stmt, _TRAIN_MODE):
+                    evaluating = False
+                elif _calls_eval(stmt):
+                    evaluating = True
+            elif isinstance(stmt, (cst.For, cst.While)) and evaluating and not decorated:
+                if not self.model.trains(stmt) and not self._no_grad_inside(stmt) and findall(stmt, m.Call()) \
+                        and not self.model.under_no_grad(stmt) and not volatile_plan(self.ctx).covers(stmt):
+                    self.loops.add(id(stmt))
+            elif isinstance(stmt, cst.If) and stmt.test and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
+                self._blocks(stmt.body.body, decorated)
+
+    def _evaluation_function(self, func: cst.FunctionDef, method: bool = False) -> bool:
+        named = bool(_EVAL_NAME.match(func.name.value))
+        evals = _function_calls_eval(self.model, func)
+        if not (evals or (named and not method and self._runs_a_model(func))):
+            return False
+        if named and not evals and func.name.value.startswith("test_") and self.model.s.own(func, cst.Assert):
+            return False  # a pytest test, not an evaluation
+        fn = self.model.s.functions.get(id(func))
+        return fn is not None and not self.model.function_trains(fn) and not self.model.under_no_grad(func) \
+            and not self._no_grad_inside(func)
+
+    def _no_grad_inside(self, node: cst.CSTNode) -> bool:
+        return any(self.model.under_no_grad(w) for w in self.model.s.inside(node, cst.With))
+
+    def _runs_a_model(self, func: cst.FunctionDef) -> bool:
+        """A name like `validate` is not enough (`validate_config()`): the function must take
+        a model or loop over batches."""
+        params = {p.name.value.lower() for p in (*func.params.params, *func.params.kwonly_params)}
+        if any("model" in p or p in ("net", "network", "encoder", "decoder") for p in params):
+            return True
+        code = self.ctx.module.code_for_node
+        return any(re.search(r"loader|batch|data", code(loop.iter), re.I) for loop in findall(func.body, m.For()))
+
+
+
+def eval_plan(ctx) -> _EvalPlan:
+    return ctx.shared("eval-plan", _EvalPlan)
+
+
+def under_no_grad_after_migration(ctx, node: cst.CSTNode) -> bool:
+    """Does `node` run under `torch.no_grad()` once the device fixes are made (its own, or one
+    that GM203 or GM303 adds)?"""
+    if script_model(ctx).under_no_grad(node) or volatile_plan(ctx).covers(node):
+        return True
+    return "GM303" in ctx.fixing and eval_plan(ctx).covers(node)
+
+
 class EvalWithoutNoGrad(Rule):
     """
     ## What it does
@@ -284,61 +365,8 @@ class EvalWithoutNoGrad(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.model = script_model(self.ctx)
-        self.functions: Set[int] = set()
-        self.loops: Set[int] = set()
-        self._blocks(node.body, decorated=False)
-
-    def _blocks(self, body, decorated: bool) -> None:
-        """Mark evaluation functions, and evaluation loops after `model.eval()` in a block."""
-        evaluating = False
-        for stmt in body:
-            if isinstance(stmt, cst.FunctionDef):
-                marked = self._evaluation_function(stmt)
-                if marked:
-                    self.functions.add(id(stmt))
-                self._blocks(stmt.body.body, decorated=marked or self.model.under_no_grad(stmt))
-                continue
-            if isinstance(stmt, cst.ClassDef):
-                for inner in stmt.body.body:
-                    if isinstance(inner, cst.FunctionDef) and _function_calls_eval(self.model, inner) and \
-                            self._evaluation_function(inner, method=True):
-                        self.functions.add(id(inner))
-                continue
-            if isinstance(stmt, cst.SimpleStatementLine):
-                if findall(stmt, _TRAIN_MODE):
-                    evaluating = False
-                elif _calls_eval(stmt):
-                    evaluating = True
-            elif isinstance(stmt, (cst.For, cst.While)) and evaluating and not decorated:
-                if not self.model.trains(stmt) and not self._no_grad_inside(stmt) and findall(stmt, m.Call()) \
-                        and not self.model.under_no_grad(stmt) and not volatile_plan(self.ctx).covers(stmt):
-                    self.loops.add(id(stmt))
-            elif isinstance(stmt, cst.If) and stmt.test and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
-                self._blocks(stmt.body.body, decorated)
-
-    def _evaluation_function(self, func: cst.FunctionDef, method: bool = False) -> bool:
-        named = bool(_EVAL_NAME.match(func.name.value))
-        evals = _function_calls_eval(self.model, func)
-        if not (evals or (named and not method and self._runs_a_model(func))):
-            return False
-        if named and not evals and func.name.value.startswith("test_") and self.model.s.own(func, cst.Assert):
-            return False  # a pytest test, not an evaluation
-        fn = self.model.s.functions.get(id(func))
-        return fn is not None and not self.model.function_trains(fn) and not self.model.under_no_grad(func) \
-            and not self._no_grad_inside(func)
-
-    def _no_grad_inside(self, node: cst.CSTNode) -> bool:
-        return any(self.model.under_no_grad(w) for w in self.model.s.inside(node, cst.With))
-
-    def _runs_a_model(self, func: cst.FunctionDef) -> bool:
-        """A name like `validate` is not enough (`validate_config()`): the function must take
-        a model or loop over batches."""
-        params = {p.name.value.lower() for p in (*func.params.params, *func.params.kwonly_params)}
-        if any("model" in p or p in ("net", "network", "encoder", "decoder") for p in params):
-            return True
-        code = self.ctx.module.code_for_node
-        return any(re.search(r"loader|batch|data", code(loop.iter), re.I) for loop in findall(func.body, m.For()))
+        plan = eval_plan(self.ctx)
+        self.functions, self.loops = plan.functions, plan.loops
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
         if id(original) not in self.functions:
