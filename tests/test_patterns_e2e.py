@@ -90,6 +90,12 @@ class PatternRuns:
             return run_probe(script, work, nproc, args, kind=kind or label, env=env, timeout=TIMEOUT)
         return self.get((script.stem, label), make)
 
+    def original(self, run: Run) -> Run:
+        """`run` of an unmigrated fixture, which must succeed: its failure is the fixture's bug."""
+        if not run.ok():
+            pytest.fail(f"the original fixture itself failed (fix the fixture): {run.summary()}", pytrace=False)
+        return run
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -265,8 +271,8 @@ METERS_VAL_SAMPLES = 37
 def meters_prep(runs) -> Path:
     """The ORIGINAL (nn.DataParallel, runs on the CPU) trains 2 epochs: its checkpoint has
     `module.` keys, and the migrated script resumes from it."""
-    run = runs.run("original-2-epochs", SCRIPTS / METERS, 1, ["--epochs", "2"], kind="original, one process")
-    assert run.ok(), f"the original fixture itself failed (fix the fixture): {run.summary()}"
+    run = runs.original(runs.run("original-2-epochs", SCRIPTS / METERS, 1, ["--epochs", "2"],
+                                 kind="original, one process"))
     path = run.work / "checkpoint.pth.tar"
     keys = torch.load(path, weights_only=True)["state_dict"]
     assert all(k.startswith("module.") for k in keys), "the original's checkpoint should have DataParallel keys"
@@ -498,9 +504,7 @@ MAML = "functional_maml.py"
 
 
 def maml_reference(runs) -> Run:
-    run = runs.run("original", SCRIPTS / MAML, kind="original, one process")
-    assert run.ok(), f"the original fixture itself failed (fix the fixture): {run.summary()}"
-    return run
+    return runs.original(runs.run("original", SCRIPTS / MAML, kind="original, one process"))
 
 
 def maml_torchrun(runs) -> Run:
@@ -688,8 +692,7 @@ def eval_only_run(runs, label: str, script: Path) -> Run:
 
 
 def eval_only_reference(runs) -> Run:
-    run = eval_only_run(runs, "original", SCRIPTS / EVAL_ONLY)
-    assert run.ok(), f"the original fixture itself failed (fix the fixture): {run.summary()}"
+    run = runs.original(eval_only_run(runs, "original", SCRIPTS / EVAL_ONLY))
     assert "loaded checkpoint" in run.stdout
     return run
 
@@ -716,9 +719,7 @@ RUN_DIR = "run_dir_main.py"
 
 
 def run_dir_reference(runs) -> Run:
-    run = runs.run("original", SCRIPTS / RUN_DIR, kind="original, one process")
-    assert run.ok(), f"the original fixture itself failed (fix the fixture): {run.summary()}"
-    return run
+    return runs.original(runs.run("original", SCRIPTS / RUN_DIR, kind="original, one process"))
 
 
 def run_dir_torchrun(runs) -> Run:

@@ -8,7 +8,7 @@ says anything about, is UNKNOWN, and rules that need a kind leave it alone (or r
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -179,14 +179,18 @@ class Values:
 
     # -- expressions ---------------------------------------------------------------------
     def expr(self, expr: cst.BaseExpression, scope: Scope, at: float) -> str:
-        key = (id(expr), at)
+        return self._memoised((id(expr), at), lambda: self._expr(expr, scope, at))
+
+    def _memoised(self, key: Tuple[int, float], compute: Callable[[], str]) -> str:
+        # A value that depends on itself (a loop-carried `x = x + ...`) reads as NEUTRAL
+        # while it is being computed, so cycles end.
         if key in self._memo:
             return self._memo[key]
         if key in self._busy:
             return NEUTRAL
         self._busy.add(key)
         try:
-            kind = self._expr(expr, scope, at)
+            kind = compute()
         finally:
             self._busy.discard(key)
         self._memo[key] = kind
@@ -410,18 +414,7 @@ class Values:
         return kind
 
     def binding(self, b: Binding) -> str:
-        key = (id(b), -1.0)
-        if key in self._memo:
-            return self._memo[key]
-        if key in self._busy:
-            return NEUTRAL
-        self._busy.add(key)
-        try:
-            kind = self._binding(b)
-        finally:
-            self._busy.discard(key)
-        self._memo[key] = kind
-        return kind
+        return self._memoised((id(b), -1.0), lambda: self._binding(b))
 
     def _binding(self, b: Binding) -> str:
         at = b.order + 0.5

@@ -1000,9 +1000,8 @@ class DdpPlan:
         if not self.active:
             return out
         for node in self.s.index.order:
-            if isinstance(node, cst.With) and any(
-                    isinstance(i.item, cst.Call) and isinstance(i.item.func, cst.Name) and i.item.func.value == "open"
-                    and v.opens_for_writing(i.item) for i in node.items) and self._writes_only(node) \
+            if isinstance(node, cst.With) and any(_opens_for_writing(i.item) for i in node.items) \
+                    and self._writes_only(node) \
                     and not self.gated(node, main_only=True) and not self._in_gated_function(node) \
                     and not any(self.model.rank_query(i.item) for i in node.items) and not self._in_logger(node):
                 out.add(id(node))
@@ -1042,8 +1041,7 @@ class DdpPlan:
         if not self.active:
             return out
         for node in self.s.index.order:
-            if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "open" \
-                    and v.opens_for_writing(node) and node.args and node.args[0].keyword is None:
+            if _opens_for_writing(node) and node.args and node.args[0].keyword is None:
                 parent = self.s.parent(node)
                 if isinstance(parent, cst.WithItem) and id(self.s.parent(parent)) in self.gated_withs:
                     continue
@@ -1391,3 +1389,8 @@ def _zero(value, qualify) -> bool:
         return _zero(value.value, qualify)
     return False
 
+
+def _opens_for_writing(node: cst.CSTNode) -> bool:
+    """A call of the builtin `open` in a writing mode."""
+    return isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "open" \
+        and v.opens_for_writing(node)
