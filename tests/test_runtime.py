@@ -20,6 +20,18 @@ from gpumigrate import runtime
 from gpumigrate.runtime import get_device, tensor_type
 
 
+@pytest.fixture(params=["package", "vendored"])
+def rt(request):
+    """The runtime as a script imports it: the package, or the one module `--vendor-runtime`
+    writes (generated from the package; these tests hold it to the same behaviour)."""
+    return runtime if request.param == "package" else request.getfixturevalue("vendored_runtime")
+
+
+def internals(rt):
+    """Where the private helpers live: the package's `distributed` module, or the vendored module."""
+    return rt.distributed if rt is runtime else rt
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -28,12 +40,12 @@ def fake_cuda(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
 
 
-def test_cpu_when_no_accelerator(monkeypatch):
+def test_cpu_when_no_accelerator(monkeypatch, rt):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert get_device() == torch.device("cpu")
-    assert get_device(1) == torch.device("cpu")
+    assert rt.get_device() == torch.device("cpu")
+    assert rt.get_device(1) == torch.device("cpu")
 
 
 def test_mps_before_cpu(monkeypatch):
@@ -53,12 +65,13 @@ def test_index_wraps_on_fewer_gpus(fake_cuda):
     assert get_device(3) == torch.device("cuda", 1)
 
 
-def test_local_rank_picks_the_gpu(fake_cuda, monkeypatch):
+def test_local_rank_picks_the_gpu(fake_cuda, monkeypatch, rt):
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert get_device() == torch.device("cuda", 1)
+    assert rt.get_device() == torch.device("cuda", 1)
 
 
-def test_tensor_type_legacy_constructor_forms():
+def test_tensor_type_legacy_constructor_forms(rt):
+    tensor_type, get_device = rt.tensor_type, rt.get_device
     Tensor = tensor_type(torch.float32, "cpu")
     by_size = Tensor(2, 3)
     assert by_size.shape == (2, 3) and by_size.dtype == torch.float32
@@ -80,16 +93,16 @@ def test_import_has_no_side_effects_and_no_tool_dependencies():
     assert done.stdout.strip() == "ok", done.stderr
 
 
-def test_public_names_are_typed_and_documented():
-    for name in runtime.__all__:
-        obj = getattr(runtime, name)
+def test_public_names_are_typed_and_documented(rt):
+    for name in rt.__all__:
+        obj = getattr(rt, name)
         assert obj.__doc__, name
 
 
-def test_keep_batchnorm_fp32_on_a_half_model():
+def test_keep_batchnorm_fp32_on_a_half_model(rt):
     from torch import nn
 
-    from gpumigrate.runtime import keep_batchnorm_fp32
+    keep_batchnorm_fp32 = rt.keep_batchnorm_fp32
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
     model.half()
@@ -114,8 +127,8 @@ def test_keep_batchnorm_fp32_on_a_half_model():
     # `python train.py` inside an sbatch job of 8 tasks is one process
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, None),
 ])
-def test_launch_environment(monkeypatch, env, expected):
-    from gpumigrate.runtime import distributed
+def test_launch_environment(monkeypatch, env, expected, rt):
+    distributed = internals(rt)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
                  "SLURM_STEP_NUM_TASKS", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -135,10 +148,10 @@ def test_srun_without_master_address_is_one_clear_error(monkeypatch):
         distributed._launch()
 
 
-def test_single_process_helpers_do_not_communicate(monkeypatch):
+def test_single_process_helpers_do_not_communicate(monkeypatch, rt):
     from torch.utils.data import RandomSampler, TensorDataset
 
-    from gpumigrate import runtime
+    runtime = rt
     for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     model = torch.nn.Linear(2, 2)
@@ -151,10 +164,10 @@ def test_single_process_helpers_do_not_communicate(monkeypatch):
     assert runtime.is_main_process() and runtime.get_world_size() == 1
 
 
-def test_helpers_refuse_to_run_before_setup(monkeypatch):
+def test_helpers_refuse_to_run_before_setup(monkeypatch, rt):
     from torch.utils.data import TensorDataset
 
-    from gpumigrate import runtime
+    runtime = rt
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="setup_distributed"):
@@ -418,8 +431,8 @@ def test_setup_in_a_dataloader_worker_does_not_join(monkeypatch):
     assert rd.setup_distributed(use_accelerator=False) == torch.device("cpu")
 
 
-def test_shard_length_and_module_prefix_in_one_process():
-    from gpumigrate.runtime import shard_length, without_module_prefix
+def test_shard_length_and_module_prefix_in_one_process(rt):
+    shard_length, without_module_prefix = rt.shard_length, rt.without_module_prefix
 
     assert shard_length(list(range(7))) == 7
     state = {"module.fc.weight": 1, "module.fc.bias": 2}
@@ -428,17 +441,17 @@ def test_shard_length_and_module_prefix_in_one_process():
     assert without_module_prefix(torch.zeros(1)).shape == (1,)
 
 
-def test_distributed_sampler_unsharded_is_what_a_dataloader_would_use():
-    from gpumigrate.runtime import distributed_sampler
+def test_distributed_sampler_unsharded_is_what_a_dataloader_would_use(rt):
+    distributed_sampler = rt.distributed_sampler
 
     assert distributed_sampler(list(range(4)), shuffle=False, shard=False) is None
     assert type(distributed_sampler(list(range(4)), shuffle=True, shard=False)).__name__ == "RandomSampler"
 
 
-def test_set_epoch_counts_epochs_when_not_told():
-    from gpumigrate.runtime import set_epoch
+def test_set_epoch_counts_epochs_when_not_told(rt):
     from torch.utils.data.distributed import DistributedSampler
 
+    set_epoch = rt.set_epoch
     sampler = DistributedSampler(list(range(8)), num_replicas=2, rank=0)
     for expected in (0, 1, 2):
         set_epoch(sampler)
@@ -448,8 +461,8 @@ def test_set_epoch_counts_epochs_when_not_told():
     assert sampler.epoch == 8
 
 
-def test_wrap_model_leaves_a_module_without_trainable_parameters(monkeypatch):
-    from gpumigrate.runtime import distributed as rd
+def test_wrap_model_leaves_a_module_without_trainable_parameters(monkeypatch, rt):
+    rd = internals(rt)
 
     monkeypatch.setattr(rd, "is_distributed", lambda: True)
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
