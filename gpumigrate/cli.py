@@ -1,32 +1,45 @@
-"""Command line: `gpumigrate PATHS --to device`, `gpumigrate rules`, `gpumigrate explain`."""
+"""Command line: `gpumigrate PATHS --to device`, `gpumigrate lint`, `rules`, `explain`.
+
+LibCST and the rules are imported inside the commands, so that `--help` and `--version`
+answer without loading them."""
 
 from __future__ import annotations
 
-import json
+import difflib
+import os
 import sys
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
 
 import click
 
 from gpumigrate import __version__
-from gpumigrate.codemods import ALL_RULES, RULES_BY_CODE, TARGETS, fixed_codes, rules_for
-from gpumigrate.codemods import select as select_rules  # `select` is also lint's --select
-from gpumigrate.codemods.base import Clean, Flagged
 from gpumigrate.config import Config, ConfigError, load_config
-from gpumigrate.rewriter import report
-from gpumigrate.rewriter.diff import colourize, unified_diff
-from gpumigrate.rewriter.engine import FileResult
+from gpumigrate.rewriter.diff import colourize, file_diff
 from gpumigrate.rewriter.files import discover
-from gpumigrate.rewriter.run import process_path, process_paths, write_result
+from gpumigrate.targets import TARGETS
+
+if TYPE_CHECKING:
+    from gpumigrate.rewriter.engine import FileResult
 
 EXIT_OK, EXIT_CHANGES, EXIT_ERROR = 0, 1, 2
+STDIN = "-"
 
 
 class _DefaultToMigrate(click.Group):
-    """`gpumigrate train.py --to ddp` means `gpumigrate migrate train.py --to ddp`."""
+    """`gpumigrate train.py --to ddp` means `gpumigrate migrate train.py --to ddp`.
+
+    A first word that is neither a command nor an existing path stops the run (a mistyped
+    `lnit` must never become a migration of the paths after it)."""
 
     def parse_args(self, ctx: click.Context, args: List[str]) -> List[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+            first = args[0]
+            if not first.startswith("-") and not os.path.exists(first):
+                if os.sep in first or "." in first:
+                    raise click.UsageError(f"{first}: no such file or directory; nothing was changed", ctx)
+                close = difflib.get_close_matches(first, list(self.commands), n=1)
+                hint = f" (did you mean `gpumigrate {close[0]}`?)" if close else ""
+                raise click.UsageError(f"{first}: no such command, file or directory{hint}", ctx)
             args = ["migrate", *args]
         return super().parse_args(ctx, args)
 
@@ -34,11 +47,14 @@ class _DefaultToMigrate(click.Group):
 @click.group(cls=_DefaultToMigrate, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpumigrate")
 def main() -> None:
-    """Move PyTorch training scripts to any device, to DDP and to mixed precision.
+    """Move PyTorch training scripts to any device and to DistributedDataParallel;
+    lint them for GPU memory and speed anti-patterns.
 
     \b
-      gpumigrate train.py --to device      rewrite in place
-      gpumigrate src/ --to device --diff   show what would change
+      gpumigrate train.py --to device      rewrite in place (CUDA, MPS or CPU)
+      gpumigrate train.py --to ddp         ... and for torchrun (DDP)
+      gpumigrate src/ --diff               show what would change
+      gpumigrate - --stdin-filename t.py   read stdin, write the result to stdout
       gpumigrate lint src/                 report GPU memory and speed anti-patterns
       gpumigrate rules                     list the rules
       gpumigrate explain GM101             one rule's documentation
@@ -49,96 +65,214 @@ def _err(message: str) -> None:
     click.echo(message, err=True)
 
 
+def _colour(choice: str) -> Optional[bool]:
+    """--color wins; else NO_COLOR (https://no-color.org) turns colour off; else click
+    colours only a terminal."""
+    if choice != "auto":
+        return choice == "always"
+    return False if os.environ.get("NO_COLOR") else None
+
+
+def _show_diff(path: str, old: bytes, new: bytes, colour: Optional[bool]) -> None:
+    click.echo(colourize(file_diff(path, old, new)), nl=False, color=colour)
+
+
+_COLOR = click.option("--color", "color", type=click.Choice(["auto", "always", "never"]), default="auto",
+                      show_default=True, help="Colour the diff (NO_COLOR in the environment means never).")
+_SELECT = click.option("--select", multiple=True, metavar="CODES",
+                       help="Only these codes or prefixes (GM3), comma-separated.")
+_IGNORE = click.option("--ignore", multiple=True, metavar="CODES", help="Skip these codes or prefixes.")
+_EXCLUDE = click.option("--exclude", multiple=True, metavar="GLOB",
+                        help="Skip matching paths, gitignore-style (repeatable).")
+_STDIN_NAME = click.option("--stdin-filename", metavar="PATH", default=None,
+                           help="The name of the file read from `-` (for messages and configuration).")
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--to", "target", type=click.Choice(TARGETS), default=None,
               help="What to migrate the scripts to (default: `target` in [tool.gpumigrate], else device).")
 @click.option("--diff", "show_diff", is_flag=True, help="Print a unified diff; write nothing.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if any file would change.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="Write the result of a single input file here instead of in place.")
-@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip matching paths (repeatable).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Write the result of a single input file here instead of in place (`-`: stdout).")
+@_SELECT
+@_IGNORE
+@_EXCLUDE
 @click.option("--sync-bn", is_flag=True, help="ddp: convert BatchNorm to SyncBatchNorm when wrapping models.")
 @click.option("--report", "report_file", type=click.Path(dir_okay=False), default=None,
               help="Write the migration report here: Markdown, or JSON for a .json name.")
+@_STDIN_NAME
+@_COLOR
+@click.option("--vendor-runtime", "vendor_dir", metavar="DIR", default=None,
+              help="Write the runtime into DIR as gpumigrate_runtime.py (DIR is created if missing) and make the "
+                   "scripts import it from there: they then need only torch, not gpumigrate.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors and the summary.")
-def migrate(paths: Tuple[str, ...], target: str, show_diff: bool, check: bool, output: Optional[str],
-            exclude: Tuple[str, ...], sync_bn: bool, report_file: Optional[str], quiet: bool) -> None:
-    """Rewrite PATHS (files or directories) for the --to target."""
-    config = _config(paths)
+def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, check: bool, output: Optional[str],
+            select: Tuple[str, ...], ignore: Tuple[str, ...], exclude: Tuple[str, ...], sync_bn: bool,
+            report_file: Optional[str], stdin_filename: Optional[str], color: str, vendor_dir: Optional[str],
+            quiet: bool) -> None:
+    """Rewrite PATHS (files, directories, or `-` for stdin) for the --to target.
+
+    Exit 0 when done, 1 when --check finds files that would change, 2 on errors."""
+    from gpumigrate.codemods import fixed_codes, rules_for
+    from gpumigrate.rewriter.vendor import VENDORED_MODULE
+
+    reading_stdin = paths == (STDIN,)
+    config = _config([stdin_filename] if reading_stdin and stdin_filename else paths)
     target = target or config.target or "device"
     if target not in TARGETS:
         raise click.UsageError(f"{config.path}: unknown target {target!r} (choose from {', '.join(TARGETS)})")
-    files, errors = discover(paths, (*config.exclude, *exclude))
-    if output and (len(paths) != 1 or len(files) != 1):
-        raise click.UsageError("-o/--output takes exactly one input file")
-    for error in errors:
-        _err(f"error: {error}")
-    results = _migrate(files, target, show_diff, check, output, quiet, {"sync_bn": sync_bn})
+    if STDIN in paths and not reading_stdin:
+        raise click.UsageError("`-` (stdin) cannot be combined with other paths")
+    if show_diff and check:
+        raise click.UsageError("--diff and --check: choose one")
+    if output and (show_diff or check):
+        raise click.UsageError("-o/--output writes a file; --diff and --check write nothing")
+    if reading_stdin:
+        files = [STDIN]
+    else:
+        files = _discover(paths, config, exclude)
+        if output and (len(paths) != 1 or len(files) != 1):
+            raise click.UsageError("-o/--output takes exactly one input file")
+    selection = _Selection(config, select, ignore, lint=False)
+    target_rules = rules_for(target)
+    fix_codes = set(fixed_codes(target))
+    dropped = sorted(r.code for r in target_rules if r not in selection.rules and r.code in fix_codes)
+    if dropped and (select or ignore or config.select or config.ignore):
+        _err(f"note: --to {target} without {', '.join(dropped)} (not selected): the migration is partial")
     if report_file:
-        _write_report(report_file, results, target)
-    failed = len(errors) + sum(1 for r in results if r.error)
-    changed = [r for r in results if r.changed]
+        _check_report_path(report_file, files)
+    # Before any script: a script must never import a runtime module that could not be written.
+    vendor_changed = _vendor_runtime(vendor_dir, show_diff or check, quiet) if vendor_dir is not None else False
+    runtime_module = VENDORED_MODULE if vendor_dir is not None else None  # None: the package, or what the script uses
+
+    results: List[FileResult] = []
+    for path in _progress(files, "migrating") if quiet else files:
+        rules = selection.for_file(stdin_filename or path, target_rules)
+        result = _process(path, stdin_filename, rules, [r.code for r in rules if r.code in fix_codes],
+                          {"sync_bn": sync_bn, "runtime_module": runtime_module})
+        results.append(result)
+        _deliver(result, show_diff, check, output, reading_stdin, quiet, _colour(color))
+    if vendor_dir is not None and not (quiet or reading_stdin or output == STDIN):
+        _vendor_note(results, vendor_dir, output)
+    if report_file:
+        _write_report(report_file, results, target, written=not (show_diff or check))
+    failed = sum(1 for r in results if r.error)
+    changed = [r for r in results if r.changed and not r.error]
     _summary(results, changed, failed, dry=show_diff or check)
     if failed:
         sys.exit(EXIT_ERROR)
-    if check and changed:
+    if check and (changed or vendor_changed):
         sys.exit(EXIT_CHANGES)
 
 
-def _migrate(files: Sequence[str], target: str, show_diff: bool, check: bool, output: Optional[str],
-             quiet: bool, options: dict) -> List[FileResult]:
-    results = []
-    rules, fix = rules_for(target), fixed_codes(target)
-    for result in process_paths(_progress(files, "migrating") if quiet else files, rules, fix, options):
-        results.append(result)
+def _vendor_runtime(directory: str, dry: bool, quiet: bool) -> bool:
+    """Write (or, `dry`, check) DIR/gpumigrate_runtime.py; True if it changed (would change)."""
+    from gpumigrate.rewriter.vendor import VendorError, write_runtime
+
+    try:
+        path, changed = write_runtime(directory, dry=dry)
+    except VendorError as exc:
+        _err(f"error: {exc}")
+        _err("nothing was changed")
+        sys.exit(EXIT_ERROR)
+    if changed and not quiet:
+        _err(f"would write {path}" if dry else f"wrote {path} (the runtime: the scripts need only torch)")
+    return changed
+
+
+def _vendor_note(results: List["FileResult"], directory: str, output: Optional[str]) -> None:
+    """Python finds the vendored module by itself only from scripts in its directory (a
+    script's directory is on sys.path under python and torchrun); say which files are not."""
+    from gpumigrate.rewriter.vendor import VENDORED_MODULE
+
+    home = os.path.realpath(directory)
+    away = [r.path for r in results if not r.error
+            and VENDORED_MODULE.encode() in (r.new_source if r.new_source is not None else r.source)
+            and os.path.realpath(os.path.dirname(os.path.abspath(output or r.path))) != home]
+    if away:
+        verb = "imports" if len(away) == 1 else "import"
+        _err(f"note: {_plural(len(away), 'file')} outside {directory} {verb} {VENDORED_MODULE} (e.g. {away[0]}): "
+             f"run {'it' if len(away) == 1 else 'them'} with {directory} on PYTHONPATH, or import "
+             f"{'it' if len(away) == 1 else 'them'} from a script in {directory}")
+
+
+def _process(path: str, stdin_filename: Optional[str], rules: Sequence[type], fix: Sequence[str],
+             options: Optional[dict] = None) -> "FileResult":
+    """One file (or stdin, under the name given for it) through the engine."""
+    from gpumigrate.rewriter.run import process_path, process_source
+
+    repairs = _repairs()
+    if path != STDIN:
+        return process_path(path, rules, fix, options, repairs=repairs)
+    return process_source(sys.stdin.buffer.read(), stdin_filename or "<stdin>", rules, fix, options, repairs=repairs)
+
+
+def _repairs() -> List[type]:
+    """Rules that make old syntax parse (`.cuda(async=True)`): they run whatever is selected,
+    since without them the file cannot be read at all."""
+    from gpumigrate.codemods import ALL_RULES
+
+    return [rule for rule in ALL_RULES if getattr(rule, "repair", None)]
+
+
+def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optional[str], stdin: bool,
+             quiet: bool, colour: Optional[bool]) -> None:
+    """Show or write one migration result, and say what happened to it."""
+    from gpumigrate.rewriter.report import location
+    from gpumigrate.rewriter.run import write_result
+
+    if result.error:
+        _err(f"error: {result.error}")
+        return
+    to_stdout = output == STDIN or (stdin and not output)
+    if show_diff:
+        if result.changed:
+            _show_diff(result.path, result.source, result.new_source, colour)
+    elif check:
+        pass
+    elif to_stdout:
+        click.echo(result.new_source if result.changed else result.source, nl=False)
+    elif result.changed or output:
+        write_result(result, output or "")
         if result.error:
             _err(f"error: {result.error}")
-            continue
-        if show_diff and result.changed:
-            click.echo(colourize(unified_diff(result.path, result.source, result.new_source)), nl=False)
-        elif not (show_diff or check) and (result.changed or output):
-            write_result(result, output or "")
-            if result.error:
-                _err(f"error: {result.error}")
-                continue
-        if not quiet:
-            for f in result.findings:
-                if not f.fixed:
-                    _err(f"{result.path}:{f.line}:{f.col + 1}: {f.code} review by hand: {f.message}")
-            if result.changed and not show_diff:
-                verb = "would rewrite" if check else "rewrote"
-                _err(f"{verb} {result.path} ({sum(1 for f in result.findings if f.fixed)} edits)")
-    return results
+            return
+    if quiet:
+        return
+    for f in result.findings:
+        if not f.fixed:
+            _err(f"{location(result.path, f)}: {f.code} review by hand: {f.message}")
+    if result.changed and not show_diff:
+        edits = _plural(sum(1 for f in result.findings if f.fixed), "edit")
+        if check:
+            _err(f"would rewrite {result.path} ({edits})")
+        elif not to_stdout:
+            _err(f"wrote {output} ({edits})" if output else f"rewrote {result.path} ({edits})")
 
 
-def _write_report(path: str, results: List[FileResult], target: str) -> None:
+def _check_report_path(path: str, inputs: Sequence[str]) -> None:
+    """Before anything is written: the report must not overwrite an input, and its folder
+    must be writable (exit 2, as for every usage error)."""
+    if os.path.realpath(path) in {os.path.realpath(f) for f in inputs if f != STDIN}:
+        raise click.UsageError(f"--report {path}: that is one of the inputs")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise click.UsageError(f"--report {path}: cannot write there")
+
+
+def _write_report(path: str, results: List["FileResult"], target: str, written: bool) -> None:
     """What changed and what needs a human, per file: Markdown, or JSON for a .json name."""
-    rows = [{"path": r.path, "changed": r.changed, "error": r.error,
-             "fixed": [{"code": f.code, "line": f.line, "message": f.message} for f in r.findings if f.fixed],
-             "review": [{"code": f.code, "line": f.line, "message": f.message} for f in r.findings if not f.fixed]}
-            for r in results]
-    if path.endswith(".json"):
-        text = json.dumps({"target": target, "files": rows}, indent=2) + "\n"
-    else:
-        lines = [f"# gpumigrate --to {target}: migration report", ""]
-        for row in rows:
-            lines.append(f"## {row['path']}")
-            if row["error"]:
-                lines.append(f"- error: {row['error']}")
-            for title, key in (("Changed", "fixed"), ("Review by hand", "review")):
-                if row[key]:
-                    lines += ["", f"### {title}", ""]
-                    lines += [f"- line {f['line']}: {f['code']} {f['message']}" for f in row[key]]
-            if not (row["fixed"] or row["review"] or row["error"]):
-                lines.append("- nothing to change")
-            lines.append("")
-        text = "\n".join(lines)
+    from gpumigrate.rewriter.report import migration_report
+
     try:
         with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text)
+            handle.write(migration_report(results, target, json_format=path.endswith(".json"), written=written))
     except OSError as exc:
-        raise click.FileError(path, exc.strerror) from None
+        _err(f"error: --report {path}: cannot write: {exc.strerror or exc}")
+        sys.exit(EXIT_ERROR)
 
 
 def _config(paths: Sequence[str]) -> Config:
@@ -148,8 +282,24 @@ def _config(paths: Sequence[str]) -> Config:
         raise click.UsageError(str(exc)) from None
 
 
+def _discover(paths: Sequence[str], config: Config, exclude: Sequence[str]) -> List[str]:
+    """The files under PATHS. A path that does not exist stops the run before anything is
+    read or written; a selection with no files says so."""
+    files, errors = discover(paths, config.exclude_spec(extra=exclude))
+    if errors:
+        for error in errors:
+            _err(f"error: {error}")
+        _err("nothing was changed")
+        sys.exit(EXIT_ERROR)
+    if not files:
+        _err(f"warning: no Python files or notebooks in {', '.join(paths)}")
+    return files
+
+
 def _codes(values: Sequence[str]) -> List[str]:
     """`--select GM1,GM301 --select GM4` -> ["GM1", "GM301", "GM4"], checked against the rules."""
+    from gpumigrate.codemods import ALL_RULES
+
     codes = [c.strip().upper() for v in values for c in v.split(",") if c.strip()]
     for code in codes:
         if not any(rule.code.startswith(code) for rule in ALL_RULES):
@@ -157,55 +307,91 @@ def _codes(values: Sequence[str]) -> List[str]:
     return codes
 
 
+class _Selection:
+    """--select/--ignore over the configuration's select/ignore/per-file-ignores. An explicit
+    --select replaces the configuration's choice, its ignores included (as in ruff)."""
+
+    def __init__(self, config: Config, select: Sequence[str], ignore: Sequence[str], lint: bool) -> None:
+        from gpumigrate.codemods import select as select_rules
+
+        self.config = config
+        self.lint = lint
+        self.chosen = _codes(select) or _codes(config.select)
+        self.ignored = _codes(ignore) if select else [*_codes(config.ignore), *_codes(ignore)]
+        self._select = select_rules
+        self.rules = select_rules(self.chosen, self.ignored, lint=lint)
+
+    def for_file(self, path: str, among: Optional[Sequence[type]] = None) -> List[type]:
+        """The selected rules for `path` (per-file-ignores applied), within `among`."""
+        rules = self.rules
+        extra = _codes(self.config.ignored_for(path)) if self.config.per_file_ignores else []
+        if extra:
+            rules = self._select(self.chosen, [*self.ignored, *extra], lint=self.lint)
+        return rules if among is None else [r for r in among if r in rules]
+
+
 FORMATS = ("text", "json", "sarif", "github")
 
 
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@click.option("--select", multiple=True, metavar="CODES", help="Only these codes or prefixes (GM3), comma-separated.")
-@click.option("--ignore", multiple=True, metavar="CODES", help="Skip these codes or prefixes.")
+@_SELECT
+@_IGNORE
 @click.option("--fix", is_flag=True, help="Apply the fixes of the selected rules.")
 @click.option("--diff", "show_diff", is_flag=True, help="With --fix: print the fixes as a diff; write nothing.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True)
-@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip matching paths (repeatable).")
+@_EXCLUDE
+@_STDIN_NAME
+@_COLOR
 def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...], fix: bool, show_diff: bool,
-         fmt: str, exclude: Tuple[str, ...]) -> None:
-    """Report GPU memory and speed anti-patterns in PATHS.
+         fmt: str, exclude: Tuple[str, ...], stdin_filename: Optional[str], color: str) -> None:
+    """Report GPU memory and speed anti-patterns in PATHS (`-` for stdin).
 
     Exit 0 when clean, 1 when there are findings, 2 on errors."""
-    config = _config(paths)
-    # An explicit --select replaces the configuration's choice, ignores included.
-    chosen = _codes(select) or _codes(config.select)
-    ignored = _codes(ignore) if select else [*_codes(config.ignore), *_codes(ignore)]
-    rules = select_rules(chosen, ignored)
-    files, errors = discover(paths, (*config.exclude, *exclude))
-    for error in errors:
-        _err(f"error: {error}")
-    located, fixed, failed, files_with = [], 0, len(errors), set()
+    from gpumigrate.codemods import RULES_BY_CODE
+    from gpumigrate.rewriter import report
+    from gpumigrate.rewriter.run import write_result
+
+    if show_diff and not fix:
+        raise click.UsageError("--diff shows the fixes: use it with --fix")
+    if show_diff and fmt != "text":
+        raise click.UsageError(f"--diff prints a diff on stdout; it cannot be combined with --format {fmt}")
+    reading_stdin = paths == (STDIN,)
+    if STDIN in paths and not reading_stdin:
+        raise click.UsageError("`-` (stdin) cannot be combined with other paths")
+    config = _config([stdin_filename] if reading_stdin and stdin_filename else paths)
+    selection = _Selection(config, select, ignore, lint=True)
+    if not selection.rules:
+        _err("warning: no rules selected")
+    files = [STDIN] if reading_stdin else _discover(paths, config, exclude)
+    located, fixed, failed, files_with, colour = [], 0, 0, set(), _colour(color)
     for path in _progress(files, "linting"):
-        file_rules = select_rules(chosen, [*ignored, *_codes(config.ignored_for(path))]) if config.per_file_ignores else rules
+        file_rules = selection.for_file(stdin_filename or path)
         fix_codes = [r.code for r in file_rules if r.fixed_in] if fix else []
-        result = process_path(path, file_rules, fix_codes)
+        result = _process(path, stdin_filename, file_rules, fix_codes)
         if result.error:
             failed += 1
             _err(f"error: {result.error}")
             continue
-        if fix and result.changed:
-            if show_diff:
-                click.echo(colourize(unified_diff(path, result.source, result.new_source)), nl=False)
-            else:
-                write_result(result)
-                if result.error:
-                    failed += 1
-                    _err(f"error: {result.error}")
-                    continue
+        if fix and show_diff and result.changed:
+            _show_diff(result.path, result.source, result.new_source, colour)
+        elif fix and reading_stdin and fmt == "text":
+            # like ruff: the fixed source is the output, findings go to stderr
+            click.echo(result.new_source if result.changed else result.source, nl=False)
+        elif fix and result.changed and not reading_stdin:
+            write_result(result)
+            if result.error:
+                failed += 1
+                _err(f"error: {result.error}")
+                continue
         fixed += sum(1 for f in result.findings if f.fixed)
         for finding in result.findings:
             if not finding.fixed:
-                located.append(report.Located(path, finding))
-                files_with.add(path)
+                located.append(report.Located(result.path, finding))
+                files_with.add(result.path)
     located = report.sort_findings(located)
-    infos = {r.code: report.RuleInfo(r.code, r.name, r.message, r.docs(), bool(r.fixed_in)) for r in rules}
+    infos = {r.code: report.RuleInfo(r.code, r.name, r.message, r.docs(), bool(r.fixed_in))
+             for r in selection.rules}
     if fmt == "json":
         click.echo(report.as_json(located, infos), nl=False)
     elif fmt == "sarif":
@@ -213,21 +399,25 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
     elif fmt == "github":
         click.echo(report.as_github(located), nl=False)
     elif not show_diff:
-        click.echo(report.as_text(located), nl=False)
-    _lint_summary(located, fixed, len(files_with), len(files), fix, show_diff)
+        text = report.as_text(located)
+        click.echo(text, nl=False, err=fix and reading_stdin)
+    fixable = sum(1 for i in located if RULES_BY_CODE[i.finding.code].fixed_in and not i.finding.review)
+    _lint_summary(len(located), fixable, fixed, len(files_with), len(files) - failed, failed, fix, show_diff)
     sys.exit(EXIT_ERROR if failed else EXIT_CHANGES if located else EXIT_OK)
 
 
-def _lint_summary(located, fixed: int, files_with: int, files: int, fix: bool, show_diff: bool) -> None:
-    fixable = sum(1 for i in located if RULES_BY_CODE[i.finding.code].fixed_in and not i.finding.review)
+def _lint_summary(found: int, fixable: int, fixed: int, files_with: int, checked: int, failed: int, fix: bool,
+                  show_diff: bool) -> None:
     parts = []
     if fix:
         parts.append(f"{'Would fix' if show_diff else 'Fixed'} {_plural(fixed, 'finding')}")
-    if located:
+    if found:
         hint = f" ({fixable} fixable with --fix)" if fixable and not fix else ""
-        parts.append(f"{_plural(len(located), 'finding')}{hint} in {_plural(files_with, 'file')}")
+        parts.append(f"{_plural(found, 'finding')}{hint} in {_plural(files_with, 'file')}")
     else:
-        parts.append(f"no findings in {_plural(files, 'file')}")
+        parts.append(f"no findings in {_plural(checked, 'file')}")
+    if failed:
+        parts.append(f"{_plural(failed, 'error')} (not checked)")
     _err(", ".join(parts))
 
 
@@ -244,12 +434,12 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _summary(results: List[FileResult], changed: List[FileResult], failed: int, dry: bool) -> None:
+def _summary(results: List["FileResult"], changed: List["FileResult"], failed: int, dry: bool) -> None:
     edits = sum(1 for r in changed for f in r.findings if f.fixed)
-    review = sum(1 for r in results for f in r.findings if not f.fixed)
+    review = sum(1 for r in results if not r.error for f in r.findings if not f.fixed)
     verb = "would change" if dry else "changed"
     parts = [f"{_plural(len(changed), 'file')} {verb}", _plural(edits, "edit"), f"{review} to review by hand"]
-    unchanged = len(results) - len(changed) - sum(1 for r in results if r.error)
+    unchanged = len(results) - len(changed) - failed
     if unchanged:
         parts.append(f"{unchanged} unchanged")
     if failed:
@@ -258,20 +448,43 @@ def _summary(results: List[FileResult], changed: List[FileResult], failed: int, 
 
 
 @main.command("rules")
-def list_rules() -> None:
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown"]), default="text", show_default=True)
+def list_rules(fmt: str) -> None:
     """List every rule: code, name, and the targets that fix it."""
-    width = max(len(r.name) for r in ALL_RULES)
+    from gpumigrate.codemods import ALL_RULES
+
+    rules = sorted(ALL_RULES, key=lambda r: r.code)
+    if fmt == "markdown":
+        click.echo(rules_markdown(), nl=False)
+        return
+    width = max(len(r.name) for r in rules)
     click.echo(f"{'code':<6} {'name':<{width}}  {'fixed by':<9} message")
-    for rule in sorted(ALL_RULES, key=lambda r: r.code):
+    for rule in rules:
         fix = ", ".join(sorted(rule.fixed_in)) or "lint only"
         step = "" if rule.lint else " (a migration step; `lint` does not report it)"
         click.echo(f"{rule.code:<6} {rule.name:<{width}}  {fix:<9} {rule.message}{step}")
+
+
+def rules_markdown() -> str:
+    """The rule table of the README, generated from the rule classes."""
+    from gpumigrate.codemods import ALL_RULES
+
+    lines = ["| code | name | fixed by | message |", "|---|---|---|---|"]
+    for rule in sorted(ALL_RULES, key=lambda r: r.code):
+        fix = ", ".join(f"`{t}`" for t in sorted(rule.fixed_in)) or "lint only"
+        step = " (a migration step; `lint` does not report it)" if not rule.lint else ""
+        message = rule.message.replace("|", "\\|")
+        lines.append(f"| {rule.code} | {rule.name} | {fix} | {message}{step} |")
+    return "\n".join(lines) + "\n"
 
 
 @main.command()
 @click.argument("code")
 def explain(code: str) -> None:
     """Print a rule's documentation and examples."""
+    from gpumigrate.codemods import RULES_BY_CODE
+    from gpumigrate.codemods.base import Clean, Flagged
+
     rule = RULES_BY_CODE.get(code.upper())
     if rule is None:
         raise click.BadParameter(f"no rule {code!r}; `gpumigrate rules` lists them", param_hint="CODE")

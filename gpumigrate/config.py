@@ -4,7 +4,8 @@
     target = "ddp"                 # default for `gpumigrate PATHS` without --to
     select = ["GM1", "GM3"]        # codes or prefixes; all rules when absent
     ignore = ["GM204"]
-    exclude = ["legacy/*"]
+    exclude = ["legacy/"]          # gitignore-style, relative to this file's folder
+    extend-exclude = ["*_old.py"]  # added to `exclude` (a shared config sets one, a project the other)
     [tool.gpumigrate.per-file-ignores]
     "notebooks/*.py" = ["GM601"]
 """
@@ -17,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from gpumigrate.rewriter.files import Exclusions
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,7 +38,16 @@ class Config:
     select: List[str] = field(default_factory=list)
     ignore: List[str] = field(default_factory=list)
     exclude: List[str] = field(default_factory=list)
+    extend_exclude: List[str] = field(default_factory=list)
     per_file_ignores: Dict[str, List[str]] = field(default_factory=dict)
+
+    def exclude_spec(self, extra: Sequence[str] = ()) -> Exclusions:
+        """The configured exclusions, relative to the config's folder, and `extra` (from the
+        command line), relative to the working directory."""
+        spec = Exclusions()
+        if self.path is not None:
+            spec.add(self.path.parent, [*self.exclude, *self.extend_exclude])
+        return spec.add(Path.cwd(), list(extra))
 
     def ignored_for(self, file: str) -> List[str]:
         """Codes ignored for `file` by per-file-ignores (globs relative to the config)."""
@@ -83,7 +95,7 @@ def load_config(paths: Sequence[str]) -> Config:
         return Config()
     with open(path, "rb") as handle:
         table = tomllib.load(handle)["tool"]["gpumigrate"]
-    known = {"target", "select", "ignore", "exclude", "per-file-ignores"}
+    known = {"target", "select", "ignore", "exclude", "extend-exclude", "per-file-ignores"}
     unknown = sorted(set(table) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown [tool.gpumigrate] setting {unknown[0]!r}")
@@ -99,5 +111,6 @@ def load_config(paths: Sequence[str]) -> Config:
         select=_strings(table, "select", path),
         ignore=_strings(table, "ignore", path),
         exclude=_strings(table, "exclude", path),
+        extend_exclude=_strings(table, "extend-exclude", path),
         per_file_ignores={k: _strings(per_file, k, path) for k in per_file},
     )

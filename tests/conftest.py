@@ -2,7 +2,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import pytest
 
@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 
 
-def migrate(source: bytes, target: str = "device", path: str = "script.py") -> FileResult:
-    return process(source, path, rules_for(target), fix=fixed_codes(target), names_factory=ImportTable)
+def migrate(source: bytes, target: str = "device", path: str = "script.py", options: Optional[dict] = None) -> FileResult:
+    return process(source, path, rules_for(target), fix=fixed_codes(target), names_factory=ImportTable,
+                   options=options)
 
 
-def lint(source: bytes, rules: Sequence[type], path: str = "script.py") -> FileResult:
-    return process(source, path, rules, fix=(), names_factory=ImportTable)
+def lint(source: bytes, rules: Sequence[type], path: str = "script.py", options: Optional[dict] = None) -> FileResult:
+    return process(source, path, rules, fix=(), names_factory=ImportTable, options=options)
 
 
 def run_script(path: Path, args: List[str] = (), cwd: Path = None, timeout: int = 60) -> subprocess.CompletedProcess:
@@ -36,3 +37,19 @@ def tmp_script(tmp_path):
         path.write_bytes(source if isinstance(source, bytes) else source.encode())
         return path
     return make
+
+
+@pytest.fixture(scope="session")
+def vendored_runtime(tmp_path_factory):
+    """The one-module runtime that `--vendor-runtime` writes, imported as `gpumigrate_runtime`."""
+    import importlib.util
+
+    from gpumigrate.rewriter.vendor import VENDORED_MODULE, write_runtime
+
+    path, _ = write_runtime(str(tmp_path_factory.mktemp("vendored")))
+    spec = importlib.util.spec_from_file_location(VENDORED_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[VENDORED_MODULE] = module  # as a script's import would: typing and pickle look it up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(VENDORED_MODULE, None)

@@ -212,6 +212,8 @@ def test_ddp_report_markdown_and_json(run, tmp_script, tmp_path):
     (entry,) = data["files"]
     assert entry["changed"] and any(f["code"] == "GM402" for f in entry["fixed"])
     assert any(f["code"] == "GM407" for f in entry["review"])
+    assert data["summary"]["changed"] == 1 and data["summary"]["review"] == sum(
+        len(g["original_lines"]) for g in entry["review"])
 
 
 def test_ddp_sync_bn(run, tmp_script):

@@ -15,18 +15,19 @@ CASES = [
 
 @pytest.mark.parametrize("rule, example", CASES)
 def test_rule_example(rule, example):
-    codes = [f.code for f in lint(example.code.encode(), [rule]).findings]
+    options = dict(example.options or {})
+    codes = [f.code for f in lint(example.code.encode(), [rule], options=options).findings]
     if isinstance(example, Clean):
         assert rule.code not in codes
         return
     assert rule.code in codes
     if example.fixed is not None:
         target = sorted(rule.fixed_in)[0]
-        result = migrate(example.code.encode(), target)
+        result = migrate(example.code.encode(), target, options=options)
         assert result.error is None
         assert (result.new_source or result.source).decode() == example.fixed
         # the fixed form is stable and clean
-        again = migrate(example.fixed.encode(), target)
+        again = migrate(example.fixed.encode(), target, options=options)
         assert again.new_source is None or again.new_source == example.fixed.encode()
         assert rule.code not in [f.code for f in again.findings if f.fixed]
 

@@ -14,9 +14,8 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 import libcst.matchers as m
 
-from gpumigrate.analysis.syntax import findall, get_arg, is_method_call, literal_int, literal_str
+from gpumigrate.analysis.syntax import findall, get_arg, is_method_call, literal_int, literal_str, runtime_helper
 
-RUNTIME = "gpumigrate.runtime"
 CUDA_TYPES = {
     "FloatTensor": "float32", "DoubleTensor": "float64", "HalfTensor": "float16",
     "BFloat16Tensor": "bfloat16", "LongTensor": "int64", "IntTensor": "int32",
@@ -120,7 +119,7 @@ class DeviceFacts:
                 self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=is_cuda))
                 self._def_calls.add(id(value))
                 return
-            if qualified in (f"{RUNTIME}.get_device", f"{RUNTIME}.setup_distributed"):
+            if runtime_helper(qualified) in ("get_device", "setup_distributed"):
                 self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=False))
                 return
             if qualified in ("argparse.ArgumentParser.parse_args",) or is_method_call(value, "parse_args"):

@@ -30,11 +30,12 @@ import libcst as cst
 
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.structure import NEVER, Binding, Function, Scope, Structure, dotted
+from gpumigrate.analysis.syntax import RUNTIME_MODULES, runtime_helper
 from gpumigrate.analysis.values import Values, call_argument
 
-RUNTIME = "gpumigrate.runtime"
-_RANK_QUERIES = ("torch.distributed.get_rank", f"{RUNTIME}.get_rank", f"{RUNTIME}.is_main_process",
-                 "torch.distributed.get_world_size", f"{RUNTIME}.get_world_size")
+_RANK_QUERIES = frozenset({"torch.distributed.get_rank", "torch.distributed.get_world_size",
+                           *(f"{module}.{name}" for module in RUNTIME_MODULES
+                             for name in ("get_rank", "is_main_process", "get_world_size"))})
 _RANK_NAMES = re.compile(r"(^|\.|_)(local_rank|rank|gpu_id|is_master|is_main|main_process|master)$")
 PER_PROCESS_CALLS = frozenset({
     "time.time", "time.strftime", "time.asctime", "time.ctime", "time.localtime", "time.gmtime",
@@ -260,7 +261,7 @@ class ScriptModel:
     # -- imports --------------------------------------------------------------------------
     @cached_property
     def uses_torch(self) -> bool:
-        return any(q == "torch" or q.startswith(("torch.", f"{RUNTIME}"))
+        return any(q == "torch" or q.startswith(("torch.", *RUNTIME_MODULES))
                    for q in self.ctx.names.local.values())
 
     @cached_property
@@ -885,7 +886,7 @@ class ScriptModel:
         qualified = self.qualify(call.func) or ""
         name = qualified.rsplit(".", 1)[-1]
         return (qualified.startswith("torch.distributed.") and name in COLLECTIVES) or \
-            (qualified.startswith(RUNTIME) and name in RUNTIME_COLLECTIVES)
+            runtime_helper(qualified) in RUNTIME_COLLECTIVES
 
     # -- per-process and rank-local values ---------------------------------------------------
     def per_process_call(self, call: cst.Call) -> bool:

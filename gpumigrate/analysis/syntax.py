@@ -10,6 +10,20 @@ import libcst as cst
 import libcst.matchers as m
 
 from gpumigrate.rewriter.engine import CURRENT
+from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE, VENDORED_MODULE
+
+# Where a rewritten script imports the runtime from: the package, or the one-module copy that
+# `--vendor-runtime` writes next to it. Both are the runtime, for every rule.
+RUNTIME_MODULES = (RUNTIME_PACKAGE, VENDORED_MODULE)
+
+
+def runtime_helper(qualified: Optional[str]) -> Optional[str]:
+    """`get_rank` for `gpumigrate.runtime.get_rank`, `gpumigrate_runtime.get_rank` (vendored)
+    or `gpumigrate.runtime.distributed.get_rank`; None for a name from anywhere else."""
+    for module in RUNTIME_MODULES:
+        if qualified and qualified.startswith(module + "."):
+            return qualified.rsplit(".", 1)[-1]
+    return None
 
 
 def get_arg(call: cst.Call, keyword: str, position: Optional[int] = None) -> Optional[cst.Arg]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple, Type
 
+from gpumigrate.targets import TARGET_BASES, TARGETS  # noqa: F401  (re-exported)
+
 from gpumigrate.codemods.base import Rule
 from gpumigrate.codemods.device import (
     CudaCall,
@@ -12,6 +14,7 @@ from gpumigrate.codemods.device import (
     HardcodedDevice,
     LoadMapLocation,
     LoadWholeModel,
+    RuntimeImport,
 )
 from gpumigrate.codemods.distributed import (
     BatchNormWithoutSync,
@@ -58,6 +61,7 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     HardcodedDevice,
     LoadMapLocation,
     LoadWholeModel,
+    RuntimeImport,
     DataIndexScalar,
     VariableWrapper,
     VolatileFlag,
@@ -92,9 +96,6 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     HostDeviceRoundtrip,
 )
 
-# A target includes the ones it builds on: ddp applies every device fix too.
-TARGET_BASES: Dict[str, Tuple[str, ...]] = {"device": ("device",), "ddp": ("device", "ddp")}
-TARGETS = tuple(TARGET_BASES)
 
 RULES_BY_CODE: Dict[str, Type[Rule]] = {rule.code: rule for rule in ALL_RULES}
 

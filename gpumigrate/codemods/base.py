@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import ClassVar, FrozenSet, Optional, Tuple, Union
+from typing import Any, ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 
 import libcst as cst
 
@@ -24,6 +24,7 @@ class Flagged:
 
     code: str
     fixed: Optional[str] = None
+    options: Optional[Mapping[str, Any]] = None  # the file options (as the CLI passes them)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Clean:
     """Code the rule must not flag."""
 
     code: str
+    options: Optional[Mapping[str, Any]] = None
 
 
 Example = Union[Flagged, Clean]

@@ -23,7 +23,6 @@ from gpumigrate.analysis.model import Loader, TrainedModel
 from gpumigrate.analysis.structure import Function, dotted, target_names
 from gpumigrate.analysis.values import call_argument
 
-RUNTIME = "gpumigrate.runtime"
 _MAIN_TEST = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
 _RANK0_TEST = re.compile(r"(rank\b[^=]*==\s*0|rank\s+in\s*[\[(]\s*-1\s*,\s*0|rank\s*<=\s*0|is_main_process\(\)|"
                          r"is_master|get_rank\(\)\s*==\s*0|local_rank\s+in\s*\[)")
@@ -35,7 +34,7 @@ _LIBRARIES = frozenset({
     "torch", "torchvision", "torchaudio", "torchtext", "numpy", "scipy", "pandas", "sklearn", "matplotlib", "PIL",
     "cv2", "tqdm", "os", "sys", "math", "time", "random", "json", "logging", "shutil", "pickle", "csv", "re",
     "argparse", "collections", "itertools", "functools", "datetime", "pathlib", "tempfile", "warnings", "copy",
-    "gpumigrate", "transformers", "timm", "apex", "wandb", "tensorboardX", "visdom", "yaml", "h5py", "glob",
+    "gpumigrate", "gpumigrate_runtime", "transformers", "timm", "apex", "wandb", "tensorboardX", "visdom", "yaml", "h5py", "glob",
     "subprocess", "socket", "uuid", "typing", "io", "gc", "contextlib", "operator", "string", "struct", "signal",
 })
 _UNSAFE_METHODS = re.compile(r"^(train|test|eval|evaluate|validate|step|backward|run|fit|all_reduce|barrier|reduce.*|"

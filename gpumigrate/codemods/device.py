@@ -1,4 +1,4 @@
-"""Device-agnostic placement: GM101-GM106."""
+"""Device-agnostic placement: GM101-GM106; and where the runtime is imported from: GM100."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import (
-    RUNTIME,
     cuda_string_index,
     cuda_type_dtype,
     device_plan,
@@ -24,8 +23,11 @@ from gpumigrate.codemods.helpers import (
     keyword_arg,
     literal_str,
     remove_statement,
+    runtime_module,
     with_args,
 )
+from gpumigrate.rewriter.names import dotted
+from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE, VENDORED_MODULE
 
 _CUDA_METHOD = m.Call(func=m.Attribute(attr=m.Name("cuda")))
 _SET_DEVICE = "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it (LOCAL_RANK's GPU under torchrun)"
@@ -154,7 +156,7 @@ class CudaTensorType(Rule):
     def _factory(self, dtype: str) -> cst.Call:
         plan = device_plan(self.ctx)
         if self.fixing:
-            self.ctx.add_import(RUNTIME, "tensor_type")
+            self.ctx.add_import(runtime_module(self.ctx), "tensor_type")
         return cst.Call(
             func=cst.Name("tensor_type"),
             args=[cst.Arg(plan.torch_name(dtype)), cst.Arg(plan.device_expr(None, self.fixing))],
@@ -546,3 +548,112 @@ class DiscardedMove(Rule):
                               f"stays where it was: write `{x} = {x}.{method}(...)`")
         elif isinstance(receiver, (cst.Call, cst.Subscript)) and model.kind(receiver) == v.TENSOR:
             self.report(call, f"`.{method}(...)` returns a new tensor; the result is discarded: assign it")
+
+
+class RuntimeImport(Rule):
+    """
+    ## What it does
+    With `--vendor-runtime DIR`, points the runtime imports of an earlier migration at the
+    one-module copy of the runtime written into DIR: `from gpumigrate.runtime import
+    get_device` becomes `from gpumigrate_runtime import get_device`. Without
+    `--vendor-runtime` it does nothing (and a script that imports the vendored copy keeps it).
+
+    ## Why is this bad?
+    A script that imports `gpumigrate.runtime` runs only where gpumigrate is installed, with
+    LibCST and click; the vendored module needs only torch.
+
+    ## Example
+    ```python
+    from gpumigrate.runtime import get_device, setup_distributed
+    import gpumigrate.runtime as gr
+    ```
+
+    ## Use instead
+    ```python
+    from gpumigrate_runtime import get_device, setup_distributed
+    import gpumigrate_runtime as gr
+    ```
+    `import gpumigrate.runtime` without `as` (used as `gpumigrate.runtime.get_device()`) is
+    listed for review: its uses name the package, change them with the import.
+    """
+
+    code = "GM100"
+    name = "runtime-import"
+    message = ("with `--vendor-runtime`: import the runtime from the vendored `gpumigrate_runtime`, "
+               "which needs only torch")
+    fixed_in = frozenset({"device"})
+    lint = False  # a migration step, chosen on the command line, not a defect
+    triggers = ("gpumigrate",)
+    examples = (
+        Flagged(
+            "import torch\nfrom gpumigrate.runtime import get_device\nimport gpumigrate.runtime as gr\n\n"
+            "device = get_device()\ngr.barrier()\n",
+            fixed="import torch\nfrom gpumigrate_runtime import get_device\nimport gpumigrate_runtime as gr\n\n"
+            "device = get_device()\ngr.barrier()\n",
+            options={"runtime_module": VENDORED_MODULE},
+        ),
+        Flagged(
+            "from gpumigrate import runtime\nruntime.barrier()\n",
+            fixed="import gpumigrate_runtime as runtime\nruntime.barrier()\n",
+            options={"runtime_module": VENDORED_MODULE},
+        ),
+        Flagged("import gpumigrate.runtime\ngpumigrate.runtime.barrier()\n",
+                options={"runtime_module": VENDORED_MODULE}),  # review: the uses name the package
+        Clean("from gpumigrate_runtime import get_device\ndevice = get_device()\n",
+              options={"runtime_module": VENDORED_MODULE}),
+        Clean("from gpumigrate.runtime import get_device\ndevice = get_device()\n"),  # not vendoring
+    )
+
+    def _chosen(self) -> Optional[str]:
+        return self.ctx.options.get("runtime_module")
+
+    def _other_runtime(self, module: Optional[str]) -> bool:
+        """A runtime module that is not the chosen one: the package (or one of its modules,
+        whose names the vendored module has too), or the vendored copy."""
+        chosen = self._chosen()
+        if not chosen or module is None or module == chosen:
+            return False
+        return module in (RUNTIME_PACKAGE, VENDORED_MODULE) or (
+            chosen == VENDORED_MODULE and module.startswith(RUNTIME_PACKAGE + "."))
+
+    def _report(self, node: cst.CSTNode, module: str, review: bool = False) -> None:
+        how = "; its uses name the module: change them with it" if review else ""
+        self.report(node, f"imports the runtime from `{module}`; `{self._chosen()}` is the one to import{how}",
+                    review=review)
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> Optional[cst.BaseSmallStatement]:
+        if original.relative or self._chosen() is None:
+            return None
+        module = dotted(original.module) if original.module else None
+        if self._other_runtime(module):
+            self._report(original, module)
+            return updated.with_changes(module=cst.parse_expression(self._chosen()))
+        if module == "gpumigrate" and self._other_runtime(RUNTIME_PACKAGE) \
+                and not isinstance(original.names, cst.ImportStar) \
+                and any(alias.name.value == "runtime" for alias in original.names):
+            (alias, *others) = original.names
+            if others:  # `from gpumigrate import runtime, something_else`
+                self._report(original, RUNTIME_PACKAGE, review=True)
+                return None
+            self._report(original, RUNTIME_PACKAGE)
+            local = alias.asname.name.value if alias.asname else "runtime"
+            return cst.Import(names=[cst.ImportAlias(name=cst.parse_expression(self._chosen()),
+                                                     asname=cst.AsName(name=cst.Name(local)))])
+        return None
+
+    def leave_Import(self, original: cst.Import, updated: cst.Import) -> Optional[cst.Import]:
+        if self._chosen() is None:
+            return None
+        names = list(updated.names)
+        switched = False
+        for i, alias in enumerate(original.names):
+            module = dotted(alias.name)
+            if not self._other_runtime(module):
+                continue
+            if alias.asname is None:  # `import gpumigrate.runtime`: `gpumigrate.runtime.x` in the code
+                self._report(original, module, review=True)
+                continue
+            self._report(original, module)
+            names[i] = names[i].with_changes(name=cst.parse_expression(self._chosen()))
+            switched = True
+        return updated.with_changes(names=names) if switched else None

@@ -17,7 +17,6 @@ import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.devices import (  # noqa: F401  (rules import these from the plan)
-    RUNTIME,
     DeviceDef,
     Flag,
     Site,

@@ -20,10 +20,12 @@ from gpumigrate.analysis.syntax import (  # noqa: F401  (re-exported: rules read
     loop_index,
     moves_to,
     positional_args,
+    runtime_helper,
     same_code,
     statements,
     walk,
 )
+from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE, VENDORED_MODULE
 
 
 def with_args(call: cst.Call, args: Sequence[cst.Arg]) -> cst.Call:
@@ -67,23 +69,30 @@ def remove_statement(ctx, line: cst.SimpleStatementLine):
     return ctx.remove_statement(line)
 
 
-RUNTIME = "gpumigrate.runtime"
+def runtime_module(ctx) -> str:
+    """The module the rewritten script imports the runtime from: the one the options name
+    (`--vendor-runtime` passes the vendored copy's), else the one the script imports already
+    (a vendored script stays vendored when migrated again), else the package."""
+    chosen = ctx.options.get("runtime_module")
+    if chosen:
+        return chosen
+    return ctx.shared("runtime-module", lambda c: next(
+        (VENDORED_MODULE for q in c.names.local.values() if q.split(".")[0] == VENDORED_MODULE), RUNTIME_PACKAGE))
 
 
 def runtime_name(ctx, name: str, fixing: bool = True) -> cst.Name:
     """How the rewritten script calls the runtime's `name`, importing it when `fixing`.
     A script that defines a `wrap_model` of its own gets ours as `gm_wrap_model`, so neither
     shadows the other."""
-    full = f"{RUNTIME}.{name}"
     for local, qualified in ctx.names.local.items():
-        if qualified == full:
-            return cst.Name(local)  # imported already (a second run)
+        if runtime_helper(qualified) == name:
+            return cst.Name(local)  # imported already (a second run), from either runtime module
     taken = ctx.shared("identifiers", lambda c: _identifiers(c))
     local = name
     if name in taken:
         local = fresh_name(ctx, f"gm_{name}")
     if fixing:
-        ctx.add_import(RUNTIME, name, local if local != name else None)
+        ctx.add_import(runtime_module(ctx), name, local if local != name else None)
     return cst.Name(local)
 
 

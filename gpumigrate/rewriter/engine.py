@@ -8,13 +8,14 @@ with the file, not with the number of rules.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import io
 import re
 import tokenize
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 import libcst.matchers as m
@@ -35,6 +36,9 @@ class Finding:
     fixed: bool = False
     review: bool = False
     end_line: int = 0  # last line of the flagged code
+    # In a notebook: the 1-based position of the cell among all cells; line and end_line are
+    # then lines of that cell. 0: a plain file.
+    cell: int = 0
 
 
 @dataclass
@@ -67,7 +71,40 @@ class _Report:
     through: Optional[cst.CSTNode] = None  # the finding spans up to the end of this node
 
 
-_NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.I)
+_CODES = r"(?::\s*(?P<codes>[A-Z]+[0-9]*(?:[\s,]+[A-Z]+[0-9]*)*))?"
+_NOQA = re.compile(r"#\s*noqa" + _CODES, re.I)
+# `# gpumigrate: noqa` on a line of its own: the whole file (or those codes in it), as ruff's `# ruff: noqa`.
+_FILE_NOQA = re.compile(r"^[ \t]*#\s*gpumigrate:\s*noqa" + _CODES + r"[ \t]*$", re.I | re.M)
+
+
+def _covers(codes: Optional[str], code: str) -> bool:
+    """Whether a noqa's code list (None: all codes) covers `code`; prefixes count (`GM1`)."""
+    return codes is None or any(code.startswith(c) for c in re.split(r"[\s,]+", codes.upper()) if c)
+
+
+def file_noqa(text: str) -> Tuple[bool, List[str]]:
+    """(skip the whole file, codes suppressed file-wide) from `# gpumigrate: noqa[: CODES]`
+    comment lines (a line that only looks like one inside a string does not count)."""
+    codes: List[str] = []
+    matches = list(_FILE_NOQA.finditer(text))
+    if not matches:
+        return False, codes
+    comments = _comment_lines(text)
+    for match in matches:
+        if text.count("\n", 0, match.start()) + 1 not in comments:
+            continue
+        if match.group("codes") is None:
+            return True, []
+        codes += [c for c in re.split(r"[\s,]+", match.group("codes").upper()) if c]
+    return False, codes
+
+
+def _comment_lines(text: str) -> Set[int]:
+    try:
+        return {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+                if tok.type == tokenize.COMMENT}
+    except (tokenize.TokenError, SyntaxError):
+        return set()
 
 
 class NodeIndex(cst.CSTVisitor):
@@ -186,16 +223,34 @@ class FileContext:
             return (0, 0, 0)
         return (pos.start.line, pos.start.column, pos.end.line)
 
-    def suppressed(self, code: str, line: int) -> bool:
-        """`# noqa` or `# noqa: GM301,GM302` on the line."""
+    def suppressed(self, code: str, line: int, end_line: int = 0) -> bool:
+        """`# noqa`, `# noqa: GM301,GM302` or `# noqa: GM3` on any line from `line` to
+        `end_line` (a flagged expression may span several lines)."""
         lines = self._lines()
-        if not 0 < line <= len(lines) or "noqa" not in lines[line - 1].lower():
-            return False
-        match = _NOQA.search(lines[line - 1])
-        if match is None:
-            return False
-        codes = match.group("codes")
-        return codes is None or code in re.split(r"[\s,]+", codes.upper())
+        for number in range(max(line, 1), min(max(end_line, line), len(lines)) + 1):
+            if "noqa" not in lines[number - 1].lower():
+                continue
+            match = _NOQA.search(lines[number - 1])
+            if match is not None and _covers(match.group("codes"), code):
+                return True
+        return False
+
+    def noqa_lines(self, node: cst.CSTNode) -> Tuple[int, int]:
+        """The lines where a `# noqa` covers a finding at `node`: every line of the statement
+        that holds it (a flagged expression may span several), but of a block statement
+        (`for`, `with`, `def`) only its header, since its body holds other statements."""
+        stmt: Optional[cst.CSTNode] = node
+        while stmt is not None and not isinstance(stmt, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            stmt = self.index.parent.get(id(stmt))
+        if stmt is None:
+            line = self.span(node)[0]
+            return line, line
+        line, _, end = self.span(stmt)
+        if isinstance(stmt, cst.BaseCompoundStatement):
+            body = getattr(stmt, "body", None)
+            inner = getattr(body, "body", None)
+            end = max(line, self.span(inner[0])[0] - 1) if isinstance(body, cst.IndentedBlock) and inner else line
+        return line, end
 
     def _lines(self) -> List[str]:
         if "lines" not in self._cache:
@@ -326,7 +381,7 @@ class _Dispatch(cst.CSTTransformer):
             out = leave(original, current)
             if out is None or rule.code not in self.ctx.fixing:
                 continue
-            if self.ctx.has_noqa() and self.ctx.suppressed(rule.code, self.ctx.position(original)[0]):
+            if self.ctx.has_noqa() and self.ctx.suppressed(rule.code, *self.ctx.noqa_lines(original)):
                 continue
             if isinstance(out, cst.FlattenSentinel) and any(n is current for n in out.nodes):
                 # statements inserted around this node: later rules still see the node
@@ -402,7 +457,7 @@ def _parse_error(source: bytes, text: str, path: str, exc: cst.ParserSyntaxError
     return UserError(f"{path}:{line}: cannot parse: {message}")
 
 
-def _parse(source: bytes, path: str, rules: Sequence[type]) -> Tuple[cst.Module, bytes, List[_Report]]:
+def _parse(source: bytes, path: str, repairs: Sequence[type]) -> Tuple[cst.Module, bytes, List[_Report]]:
     text = _decode(source, path)
     try:
         module = cst.parse_module(source)
@@ -416,7 +471,7 @@ def _parse(source: bytes, path: str, rules: Sequence[type]) -> Tuple[cst.Module,
             raise UserError(f"{path}:{err.lineno}: cannot parse: Python 2 syntax ({err.msg}); run 2to3 on it first")
         return module, source, []
     # Some old scripts only parse under an older grammar; rules may know a lexical repair.
-    for rule in rules:
+    for rule in repairs:
         repair = getattr(rule, "repair", None)
         fixed = repair(text) if repair else None
         if fixed is None:
@@ -462,17 +517,31 @@ def process(
     fix: Iterable[str] = (),
     names_factory: Callable[[cst.Module], Any],
     options: Optional[Dict[str, Any]] = None,
+    repairs: Optional[Sequence[type]] = None,
 ) -> FileResult:
-    """Run `rules` over one source unit. `fix`: codes whose fixes are applied.
+    """Run `rules` over one source unit. `fix`: codes whose fixes are applied. `repairs`:
+    rules whose lexical repairs may make an old file parse (default: `rules`); they are
+    applied whatever is selected, as a file must parse to be checked at all.
 
-    Never raises for bad input: the problem comes back as `FileResult.error`."""
+    A file marked `# gpumigrate: noqa` is left alone; `# gpumigrate: noqa: CODES` turns
+    those codes off in it. Never raises for bad input: the problem comes back as
+    `FileResult.error`."""
     result = FileResult(path=path, source=source)
-    try:
-        module, parsed_source, early = _parse(source, path, rules)
+    with reported_as_error(result, f"{path}:1"):
+        module, parsed_source, early = _parse(source, path, rules if repairs is None else repairs)
         text = _decode(parsed_source, path)
+        skip, off = file_noqa(text) if "gpumigrate" in text else (False, [])
+        if skip:
+            return result
+        if off:
+            rules = [r for r in rules if not _covers(",".join(off), r.code)]
+            fix = [c for c in fix if not _covers(",".join(off), c)]
         ctx = FileContext(module, path, text, names_factory(module), options)
         ctx.fixing = set(fix)
-        ctx.reports.extend(early)
+        # A repair is reported under its own code only if that rule is selected; when the
+        # file is rewritten the repair is part of the output either way, and counts as a fix.
+        codes = {r.code for r in rules}
+        ctx.reports.extend(rep for rep in early if rep.code in codes or ctx.fixing)
         token = CURRENT.set(ctx)
         active = [rule(ctx) for rule in rules if _applies(rule, text)]
         new_module = module.visit(_Dispatch(ctx, active)) if active else module
@@ -489,15 +558,23 @@ def process(
             _round_trips(module, parsed_source, path)
             _verify(new_source, parsed_source, path)
             result.new_source = new_source
+    return result
+
+
+@contextlib.contextmanager
+def reported_as_error(result: FileResult, where: str, unit: str = "file") -> Iterator[None]:
+    """Bad input, and any bug of ours, becomes `result.error`: it must not cost the user a
+    file or a traceback. `where`: the location a too-deep nesting is reported at."""
+    try:
+        yield
     except UserError as exc:
         result.error = str(exc)
         result.findings = []
     except RecursionError:
-        result.error = f"{path}:1: cannot process: nesting too deep"
-    except Exception as exc:  # a bug of ours must not cost the user a file or a traceback
-        result.error = f"{path}: internal error, file left unchanged ({type(exc).__name__}: {exc})"
+        result.error = f"{where}: cannot process: nesting too deep"
+    except Exception as exc:
+        result.error = f"{result.path}: internal error, {unit} left unchanged ({type(exc).__name__}: {exc})"
         result.findings = []
-    return result
 
 
 def _findings(ctx: FileContext) -> List[Finding]:
@@ -506,9 +583,10 @@ def _findings(ctx: FileContext) -> List[Finding]:
         line, col, end = (rep.line, rep.col, rep.line) if rep.node is None else ctx.span(rep.node)
         if rep.through is not None:
             end = max(end, ctx.span(rep.through)[2])
-        if ctx.has_noqa() and ctx.suppressed(rep.code, line):
+        if ctx.has_noqa() and ctx.suppressed(rep.code, *(ctx.noqa_lines(rep.node) if rep.node is not None
+                                                           else (line, line))):
             continue
-        fixed = rep.fixed and rep.code in ctx.fixing
+        fixed = rep.fixed and (rep.code in ctx.fixing or (rep.node is None and bool(ctx.fixing)))
         out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end))
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out
