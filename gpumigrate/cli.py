@@ -413,7 +413,8 @@ def _lint_summary(found: int, fixable: int, fixed: int, files_with: int, checked
         parts.append(f"{'Would fix' if show_diff else 'Fixed'} {_plural(fixed, 'finding')}")
     if found:
         hint = f" ({fixable} fixable with --fix)" if fixable and not fix else ""
-        parts.append(f"{_plural(found, 'finding')}{hint} in {_plural(files_with, 'file')}")
+        where = _plural(files_with, "file") if files_with == checked else f"{files_with} of {_plural(checked, 'file')}"
+        parts.append(f"{_plural(found, 'finding')}{hint} in {where}")
     else:
         parts.append(f"no findings in {_plural(checked, 'file')}")
     if failed:

@@ -47,6 +47,12 @@ def test_text_output_and_exit_code(script):
     assert "2 findings (2 fixable with --fix) in 1 file" in result.stderr
 
 
+def test_summary_counts_files_with_findings_among_those_checked(script, tmp_path):
+    (tmp_path / "ok.py").write_text("import torch\n")
+    result = lint(script, tmp_path / "ok.py")
+    assert result.stderr.splitlines()[-1] == "2 findings (2 fixable with --fix) in 1 of 2 files"
+
+
 def test_positions_are_exact(script):
     lines = lint(script).stdout.splitlines()
     assert lines[0].startswith(f"{script}:10:9: GM301")
