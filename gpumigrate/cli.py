@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import click
 
@@ -86,6 +86,8 @@ _EXCLUDE = click.option("--exclude", multiple=True, metavar="GLOB",
                         help="Skip matching paths, gitignore-style (repeatable).")
 _STDIN_NAME = click.option("--stdin-filename", metavar="PATH", default=None,
                            help="The name of the file read from `-` (for messages and configuration).")
+_JOBS = click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Files processed at a time, each in a worker process (default: one per CPU).")
 
 
 @main.command()
@@ -108,10 +110,11 @@ _STDIN_NAME = click.option("--stdin-filename", metavar="PATH", default=None,
               help="Write the runtime into DIR as gpumigrate_runtime.py (DIR is created if missing) and make the "
                    "scripts import it from there: they then need only torch, not gpumigrate.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors and the summary.")
+@_JOBS
 def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, check: bool, output: Optional[str],
             select: Tuple[str, ...], ignore: Tuple[str, ...], exclude: Tuple[str, ...], sync_bn: bool,
             report_file: Optional[str], stdin_filename: Optional[str], color: str, vendor_dir: Optional[str],
-            quiet: bool) -> None:
+            quiet: bool, jobs: Optional[int]) -> None:
     """Rewrite PATHS (files, directories, or `-` for stdin) for the --to target.
 
     Exit 0 when done, 1 when --check finds files that would change, 2 on errors."""
@@ -147,11 +150,14 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     vendor_changed = _vendor_runtime(vendor_dir, show_diff or check, quiet) if vendor_dir is not None else False
     runtime_module = VENDORED_MODULE if vendor_dir is not None else None  # None: the package, or what the script uses
 
+    def plan(name: str) -> Tuple[List[type], List[str]]:
+        rules = selection.for_file(name, target_rules)
+        return rules, [r.code for r in rules if r.code in fix_codes]
+
+    options = {"sync_bn": sync_bn, "runtime_module": runtime_module}
     results: List[FileResult] = []
-    for path in _progress(files, "migrating") if quiet else files:
-        rules = selection.for_file(stdin_filename or path, target_rules)
-        result = _process(path, stdin_filename, rules, [r.code for r in rules if r.code in fix_codes],
-                          {"sync_bn": sync_bn, "runtime_module": runtime_module})
+    processed = _process(files, stdin_filename, plan, options, max_size=config.max_file_size, jobs=jobs)
+    for result in _progress(processed, len(files), "migrating") if quiet else processed:
         results.append(result)
         _deliver(result, show_diff, check, output, reading_stdin, quiet, _colour(color))
     if vendor_dir is not None and not (quiet or reading_stdin or output == STDIN):
@@ -198,15 +204,25 @@ def _vendor_note(results: List["FileResult"], directory: str, output: Optional[s
              f"{'it' if len(away) == 1 else 'them'} from a script in {directory}")
 
 
-def _process(path: str, stdin_filename: Optional[str], rules: Sequence[type], fix: Sequence[str],
-             options: Optional[dict] = None) -> "FileResult":
-    """One file (or stdin, under the name given for it) through the engine."""
-    from gpumigrate.rewriter.run import process_path, process_source
+def _process(files: Sequence[str], stdin_filename: Optional[str],
+             plan: Callable[[str], Tuple[List[type], List[str]]], options: Optional[dict] = None,
+             max_size: Optional[int] = None, jobs: Optional[int] = None) -> Iterator["FileResult"]:
+    """The files (or stdin, under the name given for it) through the engine, in worker
+    processes `jobs` at a time: a file that crashes its worker is that file's error, and the
+    run goes on. `plan(name)`: the rules and the codes to fix for a file. Results come in
+    input order; a file over `max_size` bytes is skipped, as an error."""
+    from gpumigrate.rewriter.workers import Task, process_tasks
 
-    repairs = _repairs()
-    if path != STDIN:
-        return process_path(path, rules, fix, options, repairs=repairs)
-    return process_source(sys.stdin.buffer.read(), stdin_filename or "<stdin>", rules, fix, options, repairs=repairs)
+    repairs = tuple(_repairs())
+    tasks = []
+    for path in files:
+        rules, fix = plan(stdin_filename or path)
+        if path == STDIN:
+            tasks.append(Task(stdin_filename or "<stdin>", tuple(rules), tuple(fix), options, repairs,
+                              source=sys.stdin.buffer.read()))
+        else:
+            tasks.append(Task(path, tuple(rules), tuple(fix), options, repairs, max_size))
+    return process_tasks(tasks, jobs)
 
 
 def _repairs() -> List[type]:
@@ -276,10 +292,27 @@ def _write_report(path: str, results: List["FileResult"], target: str, written: 
 
 
 def _config(paths: Sequence[str]) -> Config:
+    """The configuration, checked whole before any file is read. A broken one is one line
+    naming the file (not click's usage block: the command line was fine) and exit 2."""
     try:
-        return load_config(paths)
+        config = load_config(paths)
+        _check_config_codes(config)
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        _err(f"error: {exc}")
+        sys.exit(EXIT_ERROR)
+    return config
+
+
+def _check_config_codes(config: Config) -> None:
+    """Unknown codes in the configuration, per-file-ignores included: those would otherwise
+    stop the run only at the first file they apply to, after earlier files were written."""
+    entries = [("[tool.gpumigrate] select", config.select), ("[tool.gpumigrate] ignore", config.ignore),
+               *((f"[tool.gpumigrate.per-file-ignores] {k!r}", v) for k, v in config.per_file_ignores.items())]
+    for name, values in entries:
+        try:
+            _codes(values)
+        except click.UsageError as exc:
+            raise ConfigError(f"{config.path}: {name}: {exc.message}") from None
 
 
 def _discover(paths: Sequence[str], config: Config, exclude: Sequence[str]) -> List[str]:
@@ -343,8 +376,9 @@ FORMATS = ("text", "json", "sarif", "github")
 @_EXCLUDE
 @_STDIN_NAME
 @_COLOR
+@_JOBS
 def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...], fix: bool, show_diff: bool,
-         fmt: str, exclude: Tuple[str, ...], stdin_filename: Optional[str], color: str) -> None:
+         fmt: str, exclude: Tuple[str, ...], stdin_filename: Optional[str], color: str, jobs: Optional[int]) -> None:
     """Report GPU memory and speed anti-patterns in PATHS (`-` for stdin).
 
     Exit 0 when clean, 1 when there are findings, 2 on errors."""
@@ -365,10 +399,12 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         _err("warning: no rules selected")
     files = [STDIN] if reading_stdin else _discover(paths, config, exclude)
     located, fixed, failed, files_with, colour = [], 0, 0, set(), _colour(color)
-    for path in _progress(files, "linting"):
-        file_rules = selection.for_file(stdin_filename or path)
-        fix_codes = [r.code for r in file_rules if r.fixed_in] if fix else []
-        result = _process(path, stdin_filename, file_rules, fix_codes)
+    def plan(name: str) -> Tuple[List[type], List[str]]:
+        rules = selection.for_file(name)
+        return rules, ([r.code for r in rules if r.fixed_in] if fix else [])
+
+    processed = _process(files, stdin_filename, plan, max_size=config.max_file_size, jobs=jobs)
+    for result in _progress(processed, len(files), "linting"):
         if result.error:
             failed += 1
             _err(f"error: {result.error}")
@@ -422,12 +458,12 @@ def _lint_summary(found: int, fixable: int, fixed: int, files_with: int, checked
     _err(", ".join(parts))
 
 
-def _progress(files: Sequence[str], label: str) -> Iterator[str]:
+def _progress(results: Iterable["FileResult"], count: int, label: str) -> Iterator["FileResult"]:
     """A progress bar on a terminal, for runs long enough to want one."""
-    if len(files) < 50 or not sys.stderr.isatty():
-        yield from files
+    if count < 50 or not sys.stderr.isatty():
+        yield from results
         return
-    with click.progressbar(files, label=label, file=sys.stderr, show_pos=True) as bar:
+    with click.progressbar(results, length=count, label=label, file=sys.stderr, show_pos=True) as bar:
         yield from bar
 
 

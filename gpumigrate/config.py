@@ -6,6 +6,7 @@
     ignore = ["GM204"]
     exclude = ["legacy/"]          # gitignore-style, relative to this file's folder
     extend-exclude = ["*_old.py"]  # added to `exclude` (a shared config sets one, a project the other)
+    max-file-size = 20_000_000     # bytes (default 10 MB); a larger file is skipped, as an error
     [tool.gpumigrate.per-file-ignores]
     "notebooks/*.py" = ["GM601"]
 """
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from gpumigrate.rewriter.files import Exclusions
+from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Exclusions
+from gpumigrate.targets import TARGETS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,6 +43,7 @@ class Config:
     exclude: List[str] = field(default_factory=list)
     extend_exclude: List[str] = field(default_factory=list)
     per_file_ignores: Dict[str, List[str]] = field(default_factory=dict)
+    max_file_size: int = DEFAULT_MAX_FILE_SIZE
 
     def exclude_spec(self, extra: Sequence[str] = ()) -> Exclusions:
         """The configured exclusions, relative to the config's folder, and `extra` (from the
@@ -62,16 +66,58 @@ class Config:
                 if fnmatch.fnmatch(rel, pattern) or fnmatch.fnmatch(Path(rel).name, pattern) for code in codes]
 
 
-def _strings(table: dict, key: str, where: Path) -> List[str]:
+def _strings(table: dict, key: str, where: Path, name: str = "") -> List[str]:
     value = table.get(key, [])
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{where}: [tool.gpumigrate] {key} must be a list of strings")
+        raise ConfigError(f"{where}: {name or f'[tool.gpumigrate] {key}'} must be a list of strings")
     return value
 
 
-def find_config(paths: Sequence[str]) -> Optional[Path]:
+# `[tool.gpumigrate]`, `[tool."gpumigrate".x]`, `tool.gpumigrate.target = ...`: what a file
+# that TOML cannot read must contain for it to count as ours.
+_MENTION = re.compile(r"""\btool\s*\.\s*["']?gpumigrate\b""")
+
+
+def _mentions_us(raw: bytes) -> bool:
+    # UTF-16 (Notepad's "Unicode") is a plausible way to break a TOML file; other encodings
+    # keep the ASCII of the table name as it is.
+    utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+    return bool(_MENTION.search(raw.decode("utf-16" if utf16 else "latin-1", errors="replace")))
+
+
+def _table_of(candidate: Path) -> Optional[dict]:
+    """The [tool.gpumigrate] table of one pyproject.toml, None when it has none.
+
+    As in ruff, a pyproject.toml without our table is someone else's file and the search walks
+    on up. For a file TOML cannot read, whether it has our table is unknowable, so its raw text
+    decides: one that names `tool.gpumigrate` is the user's broken configuration (an error: the
+    run must not go on without it); any other (a parent project's broken or non-UTF-8 file, one
+    we may not read) is not our business, as a valid one without our table would not be."""
+    try:
+        raw = candidate.read_bytes()
+    except OSError:
+        return None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        problem = f"not UTF-8 (byte {exc.start}); TOML files must be UTF-8"
+    except tomllib.TOMLDecodeError as exc:
+        problem = str(exc)
+    else:
+        tool = data.get("tool")
+        if not isinstance(tool, dict) or "gpumigrate" not in tool:
+            return None
+        if not isinstance(tool["gpumigrate"], dict):
+            raise ConfigError(f"{candidate}: [tool.gpumigrate] must be a table")
+        return tool["gpumigrate"]
+    if _mentions_us(raw):
+        raise ConfigError(f"{candidate}: cannot read: {problem}")
+    return None
+
+
+def _find(paths: Sequence[str]) -> Optional[Tuple[Path, dict]]:
     starts = [Path(p).resolve() for p in paths] or [Path.cwd()]
     start = Path(os.path.commonpath([str(s) for s in starts]))
     if start.is_file() or not start.exists():
@@ -79,23 +125,24 @@ def find_config(paths: Sequence[str]) -> Optional[Path]:
     for folder in (start, *start.parents):
         candidate = folder / "pyproject.toml"
         if candidate.is_file():
-            try:
-                with open(candidate, "rb") as handle:
-                    data = tomllib.load(handle)
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ConfigError(f"{candidate}: cannot read: {exc}") from None
-            if "gpumigrate" in data.get("tool", {}):
-                return candidate
+            table = _table_of(candidate)
+            if table is not None:
+                return candidate, table
     return None
 
 
+def find_config(paths: Sequence[str]) -> Optional[Path]:
+    """The nearest pyproject.toml above `paths` with a [tool.gpumigrate] table."""
+    found = _find(paths)
+    return found[0] if found else None
+
+
 def load_config(paths: Sequence[str]) -> Config:
-    path = find_config(paths)
-    if path is None:
+    found = _find(paths)
+    if found is None:
         return Config()
-    with open(path, "rb") as handle:
-        table = tomllib.load(handle)["tool"]["gpumigrate"]
-    known = {"target", "select", "ignore", "exclude", "extend-exclude", "per-file-ignores"}
+    path, table = found
+    known = {"target", "select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "max-file-size"}
     unknown = sorted(set(table) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown [tool.gpumigrate] setting {unknown[0]!r}")
@@ -105,12 +152,20 @@ def load_config(paths: Sequence[str]) -> Config:
     target = table.get("target")
     if target is not None and not isinstance(target, str):
         raise ConfigError(f"{path}: [tool.gpumigrate] target must be a string")
+    # Checked here, for `lint` too: a broken configuration is broken whatever the command.
+    if target is not None and target not in TARGETS:
+        raise ConfigError(f"{path}: [tool.gpumigrate] unknown target {target!r} (choose from {', '.join(TARGETS)})")
+    max_size = table.get("max-file-size", DEFAULT_MAX_FILE_SIZE)
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0:
+        raise ConfigError(f"{path}: [tool.gpumigrate] max-file-size must be a positive number of bytes")
     return Config(
         path=path,
         target=target,
+        max_file_size=max_size,
         select=_strings(table, "select", path),
         ignore=_strings(table, "ignore", path),
         exclude=_strings(table, "exclude", path),
         extend_exclude=_strings(table, "extend-exclude", path),
-        per_file_ignores={k: _strings(per_file, k, path) for k in per_file},
+        per_file_ignores={k: _strings(per_file, k, path, f"[tool.gpumigrate.per-file-ignores] {k!r}")
+                          for k in per_file},
     )

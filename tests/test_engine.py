@@ -147,3 +147,25 @@ def test_an_unreported_edit_is_not_made():
 
     result = process(b"import torch\ny = torch.ones(1)\n", "s.py", [Silent], fix=["GM998"], names_factory=ImportTable)
     assert result.error is None and result.new_source is None
+
+
+def test_lines_libcst_does_not_reproduce_are_kept_around_a_fix():
+    # LibCST prints `except OSError :` as `except OSError:` and drops a final lone CR: the fix
+    # is made, and every line it did not touch keeps its bytes.
+    source = b"import torch\ntry:\n    x = torch.ones(1).cuda()\nexcept OSError :\n    pass\ny = 2\r"
+    out = migrate(source).new_source
+    assert b"    x = torch.ones(1).to(device)\n" in out
+    assert out.endswith(b"except OSError :\n    pass\ny = 2\r")
+    assert migrate(out).new_source is None
+
+
+def test_a_fix_on_a_line_libcst_does_not_reproduce_is_given_up():
+    source = b"import torch\ntry:\n    pass\nexcept OSError : x = torch.ones(1).cuda()\n"
+    result = migrate(source)
+    assert result.new_source is None
+    assert result.error.startswith("script.py:4: cannot rewrite without changing untouched code")
+
+
+def test_no_edit_leaves_bytes_libcst_would_change():
+    source = b"import torch\ntry:\n    x = torch.ones(1)\nexcept OSError :\n    pass\r"
+    assert migrate(source, "ddp").new_source is None

@@ -1129,6 +1129,16 @@ class DdpPlan:
         """Does `expr` (a name or `self.x`) hold a model this plan wraps, where it stands?
         Uses before the wrap, and names that hold something else there (an imported module
         called `model`), do not."""
+        asking = self.__dict__.setdefault("_asking", set())
+        if id(expr) in asking:  # recursive functions passing a value around: no new fact
+            return False
+        asking.add(id(expr))
+        try:
+            return self._wrapped_reference(expr)
+        finally:
+            asking.discard(id(expr))
+
+    def _wrapped_reference(self, expr: cst.BaseExpression) -> bool:
         name = dotted(expr)
         if name is None:
             return False

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import difflib
 import io
 import re
+import sys
 import tokenize
+import warnings
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.codemod import CodemodContext
+from libcst.codemod import Codemod, CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider
 
@@ -48,6 +53,7 @@ class FileResult:
     new_source: Optional[bytes] = None  # None: nothing changed (or an error)
     findings: List[Finding] = field(default_factory=list)
     error: Optional[str] = None  # one user-facing line
+    read_as: Any = None  # files.Stamp of the file read: a write in place checks it still holds that
 
     @property
     def changed(self) -> bool:
@@ -119,16 +125,21 @@ class NodeIndex(cst.CSTVisitor):
         super().__init__()
         self.order: List[cst.CSTNode] = []
         self.start: Dict[int, int] = {}
-        self.end: Dict[int, int] = {}
-        self.parent: Dict[int, cst.CSTNode] = {}
-        self._stack: List[cst.CSTNode] = []
+        # by pre-order position: arrays, not dicts keyed by id(), as a large file has a
+        # million nodes (a third of the index's memory)
+        self._end = array("l")
+        self._parent = array("l")
+        self.end = _ByNode(self.start, self._end, lambda i: i)
+        self.parent = _ByNode(self.start, self._parent, lambda i: self.order[i] if i >= 0 else None)
+        self._stack: List[int] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        self.start[id(node)] = len(self.order)
+        at = len(self.order)
+        self.start[id(node)] = at
         self.order.append(node)
-        if self._stack:
-            self.parent[id(node)] = self._stack[-1]
-        self._stack.append(node)
+        self._end.append(at)
+        self._parent.append(self._stack[-1] if self._stack else -1)
+        self._stack.append(at)
         return True
 
     def subtree(self, root: cst.CSTNode) -> List[cst.CSTNode]:
@@ -141,8 +152,7 @@ class NodeIndex(cst.CSTVisitor):
         return i is not None and self.start[id(outer)] <= i < self.end[id(outer)]
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.end[id(original_node)] = len(self.order)
-        self._stack.pop()
+        self._end[self._stack.pop()] = len(self.order)
 
     # LibCST looks up a `visit_<Node>_<field>` hook for every field of every node; no one
     # here defines such hooks, and skipping the lookups saves a tenth of a traversal.
@@ -151,6 +161,23 @@ class NodeIndex(cst.CSTVisitor):
 
     def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
         pass
+
+
+class _ByNode:
+    """A read-only `{id(node): value}` over an array indexed by pre-order position."""
+
+    def __init__(self, start: Dict[int, int], values: Any, convert: Callable[[int], Any]) -> None:
+        self._start, self._values, self._convert = start, values, convert
+
+    def __getitem__(self, key: int) -> Any:
+        return self._convert(self._values[self._start[key]])
+
+    def get(self, key: int, default: Any = None) -> Any:
+        at = self._start.get(key)
+        return default if at is None else self._convert(self._values[at])
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._start
 
 
 # The file being processed, so that shared helpers can use its node index.
@@ -429,14 +456,68 @@ _PY2_HINTS = (
 _PY2_LINE = re.compile(r"^\s*(print\s+[^\s(=]|exec\s+[\"']|raise\s+\w+\s*,|except\s+[\w.]+\s*,\s*\w+\s*:)|`|<>")
 
 
-def _compile_error(source: bytes, path: str, full: bool = False) -> Optional[SyntaxError]:
+# CPython judges every input before LibCST sees it, as `python script.py` would compile it:
+# LibCST's native parser overflows its stack on nesting CPython refuses (a segfault takes
+# the run down), and accepts code CPython's compiler refuses (`break` outside a loop, a
+# NUL byte), which rewritten would be output that does not compile. Full compile() costs
+# about 7% of a LibCST parse (ast-only costs more: building the Python AST objects).
+#
+# Up to 3.11 how deep CPython's compiler nests follows the recursion limit, which the
+# workers raise for LibCST's deep trees (run.py); the judge compiles under Python's own.
+_PYTHON_RECURSION_LIMIT = 1000
+_TOO_DEEP = "too deeply nested for Python's parser"
+_NESTING_WORDS = {"not", "lambda", "if", "else", "and", "or", "await", "in", "is"}
+
+
+def _compile_error(source: bytes, path: str) -> Optional[SyntaxError]:
+    """Why CPython refuses `source` (None: it compiles). A full compile, not a parse alone:
+    `def f(a, a)`, `return` outside a function and `break` outside a loop are compiler errors."""
+    saved = sys.getrecursionlimit()
     try:
-        compile(source, path, "exec", dont_inherit=True, flags=0 if full else 0x400)  # PyCF_ONLY_AST
-    except SyntaxError as exc:
-        return exc
-    except ValueError as exc:  # null bytes
-        return SyntaxError(str(exc))
+        sys.setrecursionlimit(_PYTHON_RECURSION_LIMIT + _depth())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarnings are not ours to print (nor, with -W error, errors)
+            compile(source, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:  # ValueError: null bytes, in some versions
+        err = exc if isinstance(exc, SyntaxError) else SyntaxError(str(exc))
+        if not err.lineno and b"\0" in source:  # no line given for a NUL byte: find it
+            err.lineno = source.count(b"\n", 0, source.find(b"\0")) + 1
+        return err
+    except (MemoryError, RecursionError):  # the parser's or the compiler's depth limit; no line given
+        err = SyntaxError(_TOO_DEEP)
+        err.lineno = _deepest_line(source)
+        return err
+    finally:
+        sys.setrecursionlimit(saved)
     return None
+
+
+def _depth() -> int:
+    """Frames on this thread's stack: how much of the recursion limit is spent already."""
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
+
+
+def _deepest_line(source: bytes) -> int:
+    """Where the nesting is deepest, as CPython does not say: the logical line with the most
+    operators and nesting keywords."""
+    best, best_line, score, start = 0, 1, 0, 0
+    try:
+        for tok in tokenize.tokenize(io.BytesIO(source).readline):
+            if tok.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+                if score > best:
+                    best, best_line = score, start
+                score, start = 0, 0
+            elif tok.type == tokenize.OP and tok.string not in ",:;=)]}" or (
+                    tok.type == tokenize.NAME and tok.string in _NESTING_WORDS):
+                score += 1
+                start = start or tok.start[0]
+    except (tokenize.TokenError, SyntaxError):
+        if score > best:
+            best_line = start
+    return best_line
 
 
 def _line(text: str, number: Optional[int]) -> str:
@@ -448,29 +529,42 @@ def _is_python2(message: str, line: str) -> bool:
     return any(hint in message for hint in _PY2_HINTS) or bool(_PY2_LINE.search(line))
 
 
-def _parse_error(source: bytes, text: str, path: str, exc: cst.ParserSyntaxError) -> UserError:
-    err = _compile_error(source, path)
-    line = (err.lineno if err and err.lineno else exc.raw_line) or 1
-    message = err.msg if err else exc.message
-    if _is_python2(message, _line(text, line)):
-        return UserError(f"{path}:{line}: cannot parse: Python 2 syntax ({message}); run 2to3 on it first")
-    return UserError(f"{path}:{line}: cannot parse: {message}")
+def _parse_error(text: str, path: str, err: SyntaxError) -> UserError:
+    line = err.lineno or 1
+    if _is_python2(err.msg, _line(text, line)):
+        return UserError(f"{path}:{line}: cannot parse: Python 2 syntax ({err.msg}); run 2to3 on it first")
+    version = "{}.{}".format(*sys.version_info[:2])
+    return UserError(f"{path}:{line}: cannot parse: {err.msg} (Python {version})")
+
+
+def _libcst_parse(source: bytes, path: str) -> cst.Module:
+    """LibCST's tree of a file that CPython compiles: a failure here is LibCST's limit, not
+    the file's fault, and the message says so."""
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        detail = re.sub(r"^parser error: (error at \d+:\d+: )?", "", exc.message.splitlines()[0])
+        if len(detail) > 80:
+            detail = detail[:80].rsplit(",", 1)[0] + ", ..."
+        raise UserError(f"{path}:{exc.raw_line}: LibCST cannot parse this (Python can): {detail}; "
+                        "file left unchanged") from None
+    except RecursionError:
+        raise UserError(f"{path}:{_deepest_line(source)}: LibCST cannot parse this (Python can): "
+                        "nesting too deep; file left unchanged") from None
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":  # a Rust panic in LibCST's native parser
+            raise
+        raise UserError(f"{path}:1: LibCST cannot parse this (Python can): its parser failed "
+                        f"({str(exc).splitlines()[0] if str(exc) else 'panic'}); file left unchanged") from None
 
 
 def _parse(source: bytes, path: str, repairs: Sequence[type]) -> Tuple[cst.Module, bytes, List[_Report]]:
     text = _decode(source, path)
-    try:
-        module = cst.parse_module(source)
-    except cst.ParserSyntaxError as exc:
-        first_error = exc
-    else:
-        # LibCST accepts some Python 2 forms (`except E, e:`); CPython's parser is the judge,
-        # and at a tenth of LibCST's cost it is cheap to ask.
-        err = _compile_error(source, path)
-        if err is not None and _is_python2(err.msg, _line(text, err.lineno)):
-            raise UserError(f"{path}:{err.lineno}: cannot parse: Python 2 syntax ({err.msg}); run 2to3 on it first")
-        return module, source, []
-    # Some old scripts only parse under an older grammar; rules may know a lexical repair.
+    err = _compile_error(source, path)
+    if err is None:
+        return _libcst_parse(source, path), source, []
+    # Some old scripts only compile under an older grammar (`.cuda(async=True)`); rules may
+    # know a lexical repair. Its result is judged as the input is.
     for rule in repairs:
         repair = getattr(rule, "repair", None)
         fixed = repair(text) if repair else None
@@ -479,13 +573,13 @@ def _parse(source: bytes, path: str, repairs: Sequence[type]) -> Tuple[cst.Modul
         new_text, spots = fixed
         encoding = tokenize.detect_encoding(io.BytesIO(source).readline)[0]
         repaired = new_text.encode(encoding)
-        try:
-            module = cst.parse_module(repaired)
-        except cst.ParserSyntaxError:
+        still = _compile_error(repaired, path)
+        if still is not None:
+            err = still  # the repair keeps lines: what is left is the file's real problem
             continue
         reports = [_Report(rule.code, None, msg, True, False, line, col) for line, col, msg in spots]
-        return module, repaired, reports
-    raise _parse_error(source, text, path, first_error)
+        return _libcst_parse(repaired, path), repaired, reports
+    raise _parse_error(text, path, err)
 
 
 def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
@@ -495,13 +589,24 @@ def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
         codemod_ctx = CodemodContext()
         for mod, name in ctx.imports_to_remove:
             RemoveImportsVisitor.remove_unused_import(codemod_ctx, mod, name)
-        module = RemoveImportsVisitor(codemod_ctx).transform_module(module)
+        module = _transform_in_place(RemoveImportsVisitor(codemod_ctx), module)
     if ctx.imports_to_add:
         codemod_ctx = CodemodContext()
         for mod, name, asname in ctx.imports_to_add:
             AddImportsVisitor.add_needed_import(codemod_ctx, mod, name, asname)
-        module = AddImportsVisitor(codemod_ctx).transform_module(module)
+        module = _transform_in_place(AddImportsVisitor(codemod_ctx), module)
     return module
+
+
+def _transform_in_place(codemod: Codemod, module: cst.Module) -> cst.Module:
+    """`codemod.transform_module` without the deep copy its MetadataWrapper makes: on a large
+    file that copy was the peak of the whole run. LibCST copies so that no node object sits
+    in two places; where ours may (a reused `device` name), the scope analysis sees one more
+    access, which only ever keeps an import."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    with codemod.resolve(wrapper):
+        codemod.context = dataclasses.replace(codemod.context, wrapper=wrapper)
+        return codemod.transform_module_impl(wrapper.module)
 
 
 def _applies(rule: type, text: str) -> bool:
@@ -555,7 +660,7 @@ def process(
         if new_source != source and ctx.fixing:
             if new_module is module or not any(f.fixed for f in result.findings):
                 return result  # nothing was fixed: whatever differs is not ours to change
-            _round_trips(module, parsed_source, path)
+            new_source = _keep_untouched(module, parsed_source, new_source, path)
             _verify(new_source, parsed_source, path)
             result.new_source = new_source
     return result
@@ -592,29 +697,60 @@ def _findings(ctx: FileContext) -> List[Finding]:
     return out
 
 
-def _round_trips(module: cst.Module, source: bytes, path: str) -> None:
+def _keep_untouched(module: cst.Module, source: bytes, new_source: bytes, path: str) -> bytes:
     """The promise that untouched code keeps its bytes rests on LibCST printing an unedited
-    tree back exactly; for the rare file where it does not, no edit is made."""
+    tree back exactly. Where it does not (`except E :`, a final lone CR), our edits are
+    carried onto the original lines instead; only an edit on such a line is given up."""
     printed = module.bytes
     if printed == source:
-        return
+        return new_source
+    merged = _carry_over(source, printed, new_source)
+    if merged is not None:
+        return merged
     old, new = source.splitlines(), printed.splitlines()
     line = next((i + 1 for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)) + 1)
     raise UserError(f"{path}:{line}: cannot rewrite without changing untouched code here (LibCST does not "
                     "reproduce this line exactly); file left unchanged")
 
 
+def _carry_over(original: bytes, printed: bytes, edited: bytes) -> Optional[bytes]:
+    """`printed` is `original` with LibCST's losses, `edited` is `printed` with our edits:
+    apply each printed->edited hunk to `original`, if every line it replaces (or sits
+    beside) came through LibCST unchanged. None when an edit touches a lost line."""
+    orig, base, new = (s.splitlines(keepends=True) for s in (original, printed, edited))
+    same: Dict[int, int] = {}  # line of `printed` -> the identical line of `original`
+    for tag, i1, i2, j1, _ in difflib.SequenceMatcher(None, base, orig, autojunk=False).get_opcodes():
+        if tag == "equal":
+            same.update((i1 + k, j1 + k) for k in range(i2 - i1))
+    out: List[bytes] = []
+    at = 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, new, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        if i1 < i2:
+            if any(k not in same for k in range(i1, i2)) or same[i2 - 1] - same[i1] != i2 - i1 - 1:
+                return None
+            start, end = same[i1], same[i2 - 1] + 1
+        elif i1 in same:
+            start = end = same[i1]
+        elif i1 - 1 in same:
+            start = end = same[i1 - 1] + 1
+        elif i1 == 0:
+            start = end = 0
+        else:
+            return None
+        if start < at:
+            return None
+        out += orig[at:start] + new[j1:j2]
+        at = end
+    return b"".join(out + orig[at:])
+
+
 def _verify(new_source: bytes, old_source: bytes, path: str) -> None:
-    """The promise: output always parses and compiles (to bytecode: some errors, such as a
-    repeated keyword argument, only the compiler sees)."""
-    err = _compile_error(new_source, path, full=True)
+    """The promise: output always compiles (to bytecode: some errors, such as a repeated
+    keyword argument, only the compiler sees), as `old_source` did: `_parse` let nothing
+    else through."""
+    err = _compile_error(new_source, path)
     if err is None:
         return
-    if _compile_error(old_source, path, full=True) is not None:
-        # Input this Python cannot compile (newer grammar): LibCST re-parse is the check.
-        try:
-            cst.parse_module(new_source)
-            return
-        except cst.ParserSyntaxError:
-            pass
     raise UserError(f"{path}:{err.lineno or 1}: fixes dropped: the rewritten file would not compile ({err.msg})")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import stat
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -96,8 +100,18 @@ def _walk(root: Path, exclude: Exclusions) -> Iterator[Path]:
         )
         for name in sorted(filenames):
             candidate = here / name
-            if name.endswith(SUFFIXES) and not exclude.matches(candidate) and not ignored.matches(candidate):
+            if name.endswith(SUFFIXES) and not exclude.matches(candidate) and not ignored.matches(candidate) \
+                    and not _special(candidate):
                 yield candidate
+
+
+def _special(path: Path) -> bool:
+    """A FIFO, device or socket named like a script (reading one blocks or never ends). A
+    dangling link is not special: reading it reports it."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 class _GitIgnores:
@@ -137,26 +151,156 @@ def _lines(path: Path) -> List[str]:
         return []
 
 
-def read(path: str) -> bytes:
+DEFAULT_MAX_FILE_SIZE = 10_000_000  # bytes; `max-file-size` in [tool.gpumigrate]
+
+
+class Refused(Exception):
+    """A file we will not read or write; the message is one line, to follow the file's name."""
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What `read` read: a write in place first checks that the file still holds it."""
+
+    size: int
+    mtime_ns: int
+    sha256: bytes
+
+
+def read(path: str, max_size: Optional[int] = None) -> Tuple[bytes, Stamp]:
+    """The bytes of a regular file (a link is followed) and their stamp. Refused: anything
+    else (a FIFO would block, /dev/zero never ends) and files over `max_size` bytes."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise Refused(f"skipped: not a regular file ({_kind(info.st_mode)})")
+    if max_size is not None and info.st_size > max_size:
+        raise Refused(f"skipped: {_sizes(info.st_size, max_size)} limit (max-file-size)")
     with open(path, "rb") as handle:
-        return handle.read()
+        info = os.fstat(handle.fileno())  # before the read: a write during it shows as a change
+        data = handle.read()
+    return data, Stamp(info.st_size, info.st_mtime_ns, hashlib.sha256(data).digest())
 
 
-def write_atomic(path: str, data: bytes, new_mode: Optional[int] = None) -> None:
-    """Write via a temp file in the same directory and `os.replace`, keeping the mode bits
-    (`new_mode` for a file that does not exist yet; else mkstemp's 0600).
+def _kind(mode: int) -> str:
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")]
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
-    A reader never sees a half-written file, and a failure leaves the original intact."""
-    target = Path(path)
-    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else new_mode
-    fd, tmp = tempfile.mkstemp(dir=str(target.parent) or ".", prefix=f".{target.name}.", suffix=".tmp")
+
+def _sizes(size: int, limit: int) -> str:
+    """`12.3 MB is over the 10 MB`: both in the limit's unit."""
+    for unit, scale in (("MB", 1_000_000), ("KB", 1_000)):
+        if limit >= scale:
+            return f"{size / scale:.1f} {unit} is over the {limit / scale:g} {unit}"
+    return f"{size} bytes is over the {limit} bytes"
+
+
+def write_atomic(path: str, data: bytes, new_mode: Optional[int] = None, expected: Optional[Stamp] = None) -> None:
+    """Write `data` to `path` (a symbolic link: to its target, and the link stays a link),
+    keeping the mode bits (`new_mode` for a file that does not exist yet).
+
+    Via a temp file in the same directory, fsynced, and `os.replace`: a reader never sees a
+    half-written file, and a failure leaves the original intact. `expected`: what was read
+    from `path`; a file that no longer holds it is left as it is (Refused). Refused too:
+    anything but a regular file, and a link to nothing."""
+    target = Path(os.path.realpath(path))
+    try:
+        info: Optional[os.stat_result] = os.stat(target)
+    except FileNotFoundError:
+        info = None
+        if os.path.islink(path):
+            raise Refused("cannot write: a symbolic link to a missing file") from None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        raise Refused(f"cannot write: not a regular file ({_kind(info.st_mode)})")
+    mode = stat.S_IMODE(info.st_mode) if info is not None else new_mode
+    fd, tmp = tempfile.mkstemp(dir=str(target.parent), prefix=f".{target.name}.", suffix=".tmp")
+    keep = False
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        if expected is not None and not _holds(target, expected):
+            raise Refused("changed while gpumigrate was running; left as it is")
+        if info is not None and info.st_nlink > 1:
+            keep = True
+            _overwrite(target, data, tmp)
+            keep = False
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
     except BaseException:
-        if os.path.exists(tmp):
+        if not keep and os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _remove_stale_temps(target)
+
+
+def _holds(path: Path, expected: Stamp) -> bool:
+    try:
+        info = os.stat(path)
+        if (info.st_size, info.st_mtime_ns) != (expected.size, expected.mtime_ns):
+            return False
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).digest() == expected.sha256
+    except FileNotFoundError:
+        return False
+
+
+def _overwrite(target: Path, data: bytes, tmp: str) -> None:
+    """Write `data` into the file itself, the same inode: a rename would give `target` a new
+    inode and leave its other hard links with the old text. The price is atomicity: a reader
+    may see a partial file for that moment, and a failure half-way leaves one; the fsynced
+    temp file then holds the rewrite, and the message says where."""
+    try:
+        fd = os.open(target, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise Refused(f"cannot write: {exc.strerror or exc}; the rewrite is in {tmp}") from None
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable, as git and editors do (not every system can open a
+    directory: then the rename is as durable as the system makes it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_STALE_AFTER = 60.0  # seconds: older than any write of ours takes, so never a running one's
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Temp files of `target` that a killed run left (exactly mkstemp's names for it), if
+    they are regular files of ours and a minute old."""
+    pattern = re.compile(re.escape(f".{target.name}.") + r"[a-z0-9_]{8}\.tmp")
+    try:
+        names = [n for n in os.listdir(target.parent) if pattern.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        candidate = target.parent / name
+        try:
+            info = os.lstat(candidate)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() \
+                    and time.time() - info.st_mtime > _STALE_AFTER:
+                os.unlink(candidate)
+        except OSError:
+            pass

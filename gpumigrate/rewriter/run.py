@@ -4,51 +4,122 @@ from __future__ import annotations
 
 import stat
 import os
-from typing import Iterator, Optional, Sequence
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, TypeVar
 
 from gpumigrate.rewriter.engine import FileResult, process
-from gpumigrate.rewriter.files import read, write_atomic
+from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Refused, read, write_atomic
 from gpumigrate.rewriter.names import ImportTable
 from gpumigrate.rewriter.notebook import is_notebook, process_notebook
 
 
 def process_path(path: str, rules: Sequence[type], fix: Sequence[str], options: Optional[dict] = None,
-                 repairs: Optional[Sequence[type]] = None) -> FileResult:
+                 repairs: Optional[Sequence[type]] = None,
+                 max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE) -> FileResult:
+    """`path` through the engine; only a regular file of at most `max_size` bytes is read."""
     try:
-        source = read(path)
+        source, stamp = read(path, max_size)
+    except Refused as exc:
+        return FileResult(path=path, source=b"", error=f"{path}: {exc}")
     except OSError as exc:
         return FileResult(path=path, source=b"", error=f"{path}: cannot read: {exc.strerror or exc}")
-    return process_source(source, path, rules, fix, options, repairs)
+    result = process_source(source, path, rules, fix, options, repairs)
+    result.read_as = stamp
+    return result
 
 
 def process_source(source: bytes, path: str, rules: Sequence[type], fix: Sequence[str],
                    options: Optional[dict] = None, repairs: Optional[Sequence[type]] = None) -> FileResult:
     """`source`, named `path` in messages (stdin has no file of its own)."""
     if is_notebook(path):
-        return process_notebook(source, path, rules, fix=fix, names_factory=ImportTable, options=options,
-                                repairs=repairs)
-    return process(source, path, rules, fix=fix, names_factory=ImportTable, options=options, repairs=repairs)
+        return run_deep(process_notebook, source, path, rules, fix=fix, names_factory=ImportTable,
+                        options=options, repairs=repairs)
+    return run_deep(process, source, path, rules, fix=fix, names_factory=ImportTable, options=options,
+                    repairs=repairs)
+
+
+# LibCST's trees are as deep as the code is nested and its visitors recurse, some ten frames
+# a level: a chain of 340 `+` terms, 70 nested `if`s or the long implicit string
+# concatenations of pydoc's topics.py overrun Python's default limit of 1,000 frames. A
+# file's work runs in a thread whose stack holds a limit that covers all the nesting
+# CPython compiles (~3,000 levels; the engine refuses deeper files before LibCST sees them).
+# The stack is address space: only the pages a deep file touches are ever used.
+DEEP_STACK = 512 * 1024 * 1024
+DEEP_RECURSION_LIMIT = 60_000
+_deep_lock = threading.Lock()  # the recursion limit is the process's: one deep run at a time
+
+T = TypeVar("T")
+
+
+def run_deep(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` in a thread with a big stack and a high recursion limit (or
+    here, as it is, where no such thread can be made); its exception is raised here."""
+    out: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller's thread
+            out["error"] = exc
+
+    with _deep_lock:
+        limit = sys.getrecursionlimit()
+        try:
+            size = threading.stack_size(DEEP_STACK)
+        except (ValueError, RuntimeError):
+            return fn(*args, **kwargs)
+        thread = threading.Thread(target=target, name="gpumigrate-file", daemon=True)
+        sys.setrecursionlimit(max(limit, DEEP_RECURSION_LIMIT))
+        try:
+            thread.start()
+        except RuntimeError:  # no memory for the stack
+            sys.setrecursionlimit(limit)
+            return fn(*args, **kwargs)
+        finally:
+            threading.stack_size(size)
+        try:
+            thread.join()
+        finally:
+            sys.setrecursionlimit(limit)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def process_paths(paths: Sequence[str], rules: Sequence[type], fix: Sequence[str],
-                  options: Optional[dict] = None) -> Iterator[FileResult]:
-    """Each file independently: one bad file never stops the others."""
-    for path in paths:
-        yield process_path(path, rules, fix, options)
+                  options: Optional[dict] = None, jobs: Optional[int] = None) -> Iterator[FileResult]:
+    """Each file independently, in worker processes `jobs` at a time (default: one per CPU):
+    one bad file never stops the others, even one that crashes its worker. Input order."""
+    from gpumigrate.rewriter.workers import Task, process_tasks  # workers imports this module
+
+    yield from process_tasks([Task(path, tuple(rules), tuple(fix), options) for path in paths], jobs)
 
 
 def write_result(result: FileResult, output: str = "") -> None:
     """Write the rewritten source in place (or to `output`). Sets `result.error` on failure.
 
-    A new `output` file gets the source's mode bits less the umask, as `cp` gives them."""
+    In place, a file that changed since it was read is left as it is. An existing `output`
+    is written as a file in place is: through a symbolic link, never a FIFO or device, never
+    a read-only file. A new one gets the source's mode bits less the umask, as `cp` gives them."""
     target = output or result.path
     data = result.new_source if result.new_source is not None else result.source
+    in_place = not output or _same_file(output, result.path)
     try:
-        if not output and _read_only(target):
+        if os.path.exists(target) and _read_only(target):
             raise PermissionError("file is read-only")
-        write_atomic(target, data, new_mode=_mode_for_copy(result.path))
+        write_atomic(target, data, new_mode=_mode_for_copy(result.path), expected=result.read_as if in_place else None)
+    except Refused as exc:
+        result.error = f"{target}: {exc}"
     except OSError as exc:
         result.error = f"{target}: cannot write: {exc.strerror or exc}"
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _mode_for_copy(source: str) -> int:

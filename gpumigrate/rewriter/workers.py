@@ -1,0 +1,153 @@
+"""Files processed in worker processes, so that the run survives any input: a file that kills
+its worker (a segfault in LibCST's native parser, the OOM killer) becomes that file's one-line
+error, and the other files are still processed. Results come back in input order, as a serial
+run gives them; writing them stays with the caller."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence, Tuple
+
+from gpumigrate.rewriter.engine import FileResult
+from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE
+from gpumigrate.rewriter.run import process_path, process_source
+
+
+@dataclass(frozen=True)
+class Task:
+    """One file's work, as sent to a worker (rules are classes: pickled by name)."""
+
+    path: str
+    rules: Tuple[type, ...]
+    fix: Tuple[str, ...]
+    options: Optional[dict] = None
+    repairs: Optional[Tuple[type, ...]] = None
+    max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE
+    source: Optional[bytes] = None  # stdin's bytes, named `path`; None: read the file `path`
+
+
+def run_task(task: Task) -> FileResult:
+    if task.source is not None:
+        return process_source(task.source, task.path, task.rules, task.fix, task.options, task.repairs)
+    return process_path(task.path, task.rules, task.fix, task.options, task.repairs, max_size=task.max_size)
+
+
+def default_jobs() -> int:
+    """The CPUs this process may use (a container's cpuset, not the host's count)."""
+    counted = getattr(os, "process_cpu_count", None)  # Python 3.13+
+    if counted is not None:
+        return counted() or 1
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def process_tasks(tasks: Sequence[Task], jobs: Optional[int] = None) -> Iterator[FileResult]:
+    """Each task in a worker process, `jobs` at a time (default: one per CPU); results in
+    input order, each as soon as it and those before it are done.
+
+    When a worker dies the pool breaks and every unfinished task fails with it. The ones
+    that may have been running are re-run one by one in a worker of their own, so a second
+    death names its file; the rest go to a new pool."""
+    jobs = max(1, jobs or default_jobs())
+    context = multiprocessing.get_context()
+    start = 0
+    while start < len(tasks):
+        todo = tasks[start:]
+        workers = min(jobs, len(todo))
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_quiet_interrupt)
+        broken: Optional[int] = None
+        try:
+            futures = [pool.submit(run_task, task) for task in todo]
+            for offset, future in enumerate(futures):
+                result = _outcome(future, todo[offset])
+                if result is None:
+                    broken = offset
+                    break
+                yield result
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if broken is None:
+            return
+        # Tasks are handed to workers in order, at most 2 * workers + 1 at a time (running,
+        # and queued for the workers): a dead worker had one of the first that many unfinished.
+        unfinished = [i for i in range(broken, len(todo)) if _outcome(futures[i], todo[i]) is None]
+        suspects = unfinished[:2 * workers + 1]
+        solo = _Solo(context)
+        try:
+            for i in range(broken, suspects[-1] + 1):
+                yield solo.run(todo[i]) if i in suspects else _outcome(futures[i], todo[i])
+        finally:
+            solo.close()
+        start += suspects[-1] + 1
+
+
+def _outcome(future: "Future[FileResult]", task: Task) -> Optional[FileResult]:
+    """The task's result; None if the pool broke before it was done."""
+    try:
+        return future.result()
+    except (BrokenProcessPool, CancelledError):  # cancelled: by the shutdown of a broken pool
+        return None
+    except Exception as exc:  # not the file's fault: a task or result that did not pickle
+        return FileResult(path=task.path, source=b"", error=f"{task.path}: internal error, file left unchanged "
+                                                            f"({type(exc).__name__}: {exc})")
+
+
+def _quiet_interrupt() -> None:
+    # Ctrl-C reaches the workers too: they just stop (the parent reports the interruption),
+    # instead of each printing a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _died(path: str, exitcode: Optional[int]) -> str:
+    how = f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit status {exitcode}"
+    return f"{path}: internal error: the parser crashed ({how}); file left unchanged"
+
+
+class _Solo:
+    """One worker process, for tasks run one at a time: if it dies, its task is the culprit,
+    and its exit status says how it died (a broken pool does not say)."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._process: Any = None
+        self._conn: Any = None
+
+    def run(self, task: Task) -> FileResult:
+        if self._process is None:
+            self._conn, child = self._context.Pipe()
+            self._process = self._context.Process(target=_solo_main, args=(child,), daemon=True)
+            self._process.start()
+            child.close()
+        try:
+            self._conn.send(task)
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join()
+            error = _died(task.path, self._process.exitcode)
+            self._conn.close()
+            self._process = self._conn = None
+            return FileResult(path=task.path, source=b"", error=error)
+
+    def close(self) -> None:
+        if self._process is not None:
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+            self._process.join()
+            self._conn.close()
+
+
+def _solo_main(conn: Any) -> None:
+    _quiet_interrupt()
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        conn.send(run_task(task))
