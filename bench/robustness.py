@@ -263,7 +263,7 @@ def check_file(path: str, modes: Sequence[Mode], report: Report, timeout: float 
             with _time_limit(timeout):
                 again = _run(m, result.new_source, path)
         except _Timeout:
-            report.second_run.append(Problem(path, m.name, f"second run: timeout after {timeout:.0f} s"))
+            report.second_run.append(Problem(path, m.name, f"timeout in the second run: more than {timeout:.0f} s"))
             continue
         if again.error:
             report.second_run.append(Problem(path, m.name, f"second run: {again.error}"))
@@ -324,6 +324,9 @@ class _LibraryChild:
         if line:
             answer = json.loads(line)
             self.peak_kb = max(self.peak_kb, answer["peak_kb"])
+            if answer["restart"]:
+                proc.wait()
+                self._proc = None
             return answer["report"], answer["expected"]
         if proc.poll() is None:
             proc.kill()
@@ -355,9 +358,13 @@ def _library_child(modes: Sequence[str], timeout: float) -> None:
         except OSError as exc:
             part.crashes.append(Problem(path, "read", f"cannot read: {exc}"))
             expected = {}
-        answer = {"report": asdict(part), "expected": expected, "peak_kb": _vm_hwm_kb()}
+        # after a timeout the engine's own thread may still be running the file: start afresh
+        restart = any(p.message.startswith("timeout") for p in part.crashes + part.second_run)
+        answer = {"report": asdict(part), "expected": expected, "peak_kb": _vm_hwm_kb(), "restart": restart}
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
+        if restart:
+            os._exit(0)
 
 
 def check_files(paths: Sequence[str], modes: Sequence[str] = MODES, timeout: float = FILE_TIMEOUT,
@@ -421,12 +428,16 @@ _peak_lock = threading.Lock()
 def _cli(args: List[str], timeout: float) -> Tuple[Optional[int], str]:
     global _child_peak_kb
     env = dict(os.environ, NO_COLOR="1", PYTHONFAULTHANDLER="1")  # a segfault prints where it was
+    # A session of its own: on a timeout its worker processes must die with it, not spin on.
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env, start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, *args], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, timeout=timeout, env=env)
+        _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return None, ""
-    stderr, found, peak = proc.stderr.decode("utf-8", "replace").rpartition(_PEAK)
+    stderr, found, peak = err.decode("utf-8", "replace").rpartition(_PEAK)
     if not found:
         return proc.returncode, peak
     with _peak_lock:
