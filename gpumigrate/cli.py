@@ -121,13 +121,8 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     from gpumigrate.codemods import fixed_codes, rules_for
     from gpumigrate.rewriter.vendor import VENDORED_MODULE
 
-    reading_stdin = paths == (STDIN,)
-    config = _config([stdin_filename] if reading_stdin and stdin_filename else paths)
-    target = target or config.target or "device"
-    if target not in TARGETS:
-        raise click.UsageError(f"{config.path}: unknown target {target!r} (choose from {', '.join(TARGETS)})")
-    if STDIN in paths and not reading_stdin:
-        raise click.UsageError("`-` (stdin) cannot be combined with other paths")
+    reading_stdin, config = _inputs(paths, stdin_filename)
+    target = target or config.target or "device"  # --to is a click.Choice; config checks its own
     if show_diff and check:
         raise click.UsageError("--diff and --check: choose one")
     if output and (show_diff or check):
@@ -291,6 +286,15 @@ def _write_report(path: str, results: List["FileResult"], target: str, written: 
         sys.exit(EXIT_ERROR)
 
 
+def _inputs(paths: Sequence[str], stdin_filename: Optional[str]) -> Tuple[bool, Config]:
+    """(reading stdin, the configuration): `-` alone is stdin, whose configuration is found
+    from --stdin-filename."""
+    reading_stdin = tuple(paths) == (STDIN,)
+    if STDIN in paths and not reading_stdin:
+        raise click.UsageError("`-` (stdin) cannot be combined with other paths")
+    return reading_stdin, _config([stdin_filename] if reading_stdin and stdin_filename else paths)
+
+
 def _config(paths: Sequence[str]) -> Config:
     """The configuration, checked whole before any file is read. A broken one is one line
     naming the file (not click's usage block: the command line was fine) and exit 2."""
@@ -390,10 +394,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         raise click.UsageError("--diff shows the fixes: use it with --fix")
     if show_diff and fmt != "text":
         raise click.UsageError(f"--diff prints a diff on stdout; it cannot be combined with --format {fmt}")
-    reading_stdin = paths == (STDIN,)
-    if STDIN in paths and not reading_stdin:
-        raise click.UsageError("`-` (stdin) cannot be combined with other paths")
-    config = _config([stdin_filename] if reading_stdin and stdin_filename else paths)
+    reading_stdin, config = _inputs(paths, stdin_filename)
     selection = _Selection(config, select, ignore, lint=True)
     if not selection.rules:
         _err("warning: no rules selected")

@@ -83,9 +83,15 @@ _NOQA = re.compile(r"#\s*noqa" + _CODES, re.I)
 _FILE_NOQA = re.compile(r"^[ \t]*#\s*gpumigrate:\s*noqa" + _CODES + r"[ \t]*$", re.I | re.M)
 
 
-def _covers(codes: Optional[str], code: str) -> bool:
-    """Whether a noqa's code list (None: all codes) covers `code`; prefixes count (`GM1`)."""
-    return codes is None or any(code.startswith(c) for c in re.split(r"[\s,]+", codes.upper()) if c)
+def _noqa_codes(match: "re.Match[str]") -> Optional[List[str]]:
+    """The codes a noqa names (`noqa: GM301, gm3` -> GM301, GM3); None: a bare noqa, all codes."""
+    codes = match.group("codes")
+    return None if codes is None else [c for c in re.split(r"[\s,]+", codes.upper()) if c]
+
+
+def _covers(codes: Optional[Sequence[str]], code: str) -> bool:
+    """Whether a noqa's codes (None: all codes) cover `code`; prefixes count (`GM1`)."""
+    return codes is None or any(code.startswith(c) for c in codes)
 
 
 def file_noqa(text: str) -> Tuple[bool, List[str]]:
@@ -99,9 +105,10 @@ def file_noqa(text: str) -> Tuple[bool, List[str]]:
     for match in matches:
         if text.count("\n", 0, match.start()) + 1 not in comments:
             continue
-        if match.group("codes") is None:
+        named = _noqa_codes(match)
+        if named is None:
             return True, []
-        codes += [c for c in re.split(r"[\s,]+", match.group("codes").upper()) if c]
+        codes += named
     return False, codes
 
 
@@ -258,7 +265,7 @@ class FileContext:
             if "noqa" not in lines[number - 1].lower():
                 continue
             match = _NOQA.search(lines[number - 1])
-            if match is not None and _covers(match.group("codes"), code):
+            if match is not None and _covers(_noqa_codes(match), code):
                 return True
         return False
 
@@ -639,8 +646,8 @@ def process(
         if skip:
             return result
         if off:
-            rules = [r for r in rules if not _covers(",".join(off), r.code)]
-            fix = [c for c in fix if not _covers(",".join(off), c)]
+            rules = [r for r in rules if not _covers(off, r.code)]
+            fix = [c for c in fix if not _covers(off, c)]
         ctx = FileContext(module, path, text, names_factory(module), options)
         ctx.fixing = set(fix)
         # A repair is reported under its own code only if that rule is selected; when the
@@ -661,7 +668,7 @@ def process(
             if new_module is module or not any(f.fixed for f in result.findings):
                 return result  # nothing was fixed: whatever differs is not ours to change
             new_source = _keep_untouched(module, parsed_source, new_source, path)
-            _verify(new_source, parsed_source, path)
+            _verify(new_source, path)
             result.new_source = new_source
     return result
 
@@ -746,10 +753,10 @@ def _carry_over(original: bytes, printed: bytes, edited: bytes) -> Optional[byte
     return b"".join(out + orig[at:])
 
 
-def _verify(new_source: bytes, old_source: bytes, path: str) -> None:
+def _verify(new_source: bytes, path: str) -> None:
     """The promise: output always compiles (to bytecode: some errors, such as a repeated
-    keyword argument, only the compiler sees), as `old_source` did: `_parse` let nothing
-    else through."""
+    keyword argument, only the compiler sees), as the input did: `_parse` let nothing else
+    through."""
     err = _compile_error(new_source, path)
     if err is None:
         return

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import stat
 import os
+import stat
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, TypeVar
@@ -32,10 +32,8 @@ def process_path(path: str, rules: Sequence[type], fix: Sequence[str], options: 
 def process_source(source: bytes, path: str, rules: Sequence[type], fix: Sequence[str],
                    options: Optional[dict] = None, repairs: Optional[Sequence[type]] = None) -> FileResult:
     """`source`, named `path` in messages (stdin has no file of its own)."""
-    if is_notebook(path):
-        return run_deep(process_notebook, source, path, rules, fix=fix, names_factory=ImportTable,
-                        options=options, repairs=repairs)
-    return run_deep(process, source, path, rules, fix=fix, names_factory=ImportTable, options=options,
+    engine = process_notebook if is_notebook(path) else process
+    return run_deep(engine, source, path, rules, fix=fix, names_factory=ImportTable, options=options,
                     repairs=repairs)
 
 
