@@ -211,7 +211,7 @@ def _process(files: Sequence[str], stdin_filename: Optional[str],
     repairs = tuple(_repairs())
     tasks = []
     for path in files:
-        rules, fix = plan(stdin_filename or path)
+        rules, fix = plan(stdin_filename or path if path == STDIN else path)  # the name only names stdin
         if path == STDIN:
             tasks.append(Task(stdin_filename or "<stdin>", tuple(rules), tuple(fix), options, repairs,
                               source=sys.stdin.buffer.read()))

@@ -416,3 +416,12 @@ def test_the_readme_rule_table_is_generated_from_the_rules():
 def test_there_is_a_changelog_naming_this_version():
     from gpumigrate import __version__
     assert f"## {__version__}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_stdin_filename_names_only_stdin(tmp_path):
+    # per-file-ignores for the name given to stdin must not apply to files read by path
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.per-file-ignores]\n"legacy.py" = ["GM101"]\n')
+    script = tmp_path / "train.py"
+    script.write_text(CUDA)
+    result = cli("lint", script, "--stdin-filename", tmp_path / "legacy.py")
+    assert result.exit_code == 1 and "GM101" in result.stdout
