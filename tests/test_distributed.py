@@ -252,3 +252,15 @@ def test_helpers_from_the_projects_other_files_are_reported_in_loops():
     _, reviews = ddp("from utils import progress_bar\nmodel = torch.nn.Linear(4, 1)\n"
                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN + "        progress_bar(epoch)\n")
     assert any("`utils.progress_bar` comes from another file" in r for r in reviews)
+
+
+def test_a_model_passed_through_mutually_recursive_helpers_is_found_in_one_walk():
+    # Each helper calls every other: 8! paths from the save back to the wrap. A walk per path
+    # (as once) never finished; one walk over the calls finds the wrapped model.
+    n = 8
+    helpers = "".join(
+        f"def h{i}(m, k):\n    if k:\n" + "".join(f"        h{j}(m, k - 1)\n" for j in range(n) if j != i)
+        + ("    torch.save(m.state_dict(), 'm.pt')\n" if i == n - 1 else "") for i in range(n))
+    out, _ = ddp("model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
+                 + helpers + "h0(model, 1)\n")
+    assert "torch.save(unwrap_model(m).state_dict(), 'm.pt')" in out

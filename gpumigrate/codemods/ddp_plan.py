@@ -119,6 +119,8 @@ class DdpPlan:
         self.model = script_model(ctx)
         self.reviews: List[Tuple[cst.CSTNode, str]] = []
         self.notes: List[Tuple[cst.CSTNode, str]] = []  # decisions a reviewer should know about
+        self._wrapped_memo: Dict[int, bool] = {}
+        self._visited: Optional[Set[Tuple[str, int]]] = None  # the walk of wrapped_reference
 
     @property
     def s(self):
@@ -1129,14 +1131,27 @@ class DdpPlan:
         """Does `expr` (a name or `self.x`) hold a model this plan wraps, where it stands?
         Uses before the wrap, and names that hold something else there (an imported module
         called `model`), do not."""
-        asking = self.__dict__.setdefault("_asking", set())
-        if id(expr) in asking:  # recursive functions passing a value around: no new fact
+        # Reachability over assignments, returns and call arguments: one query walks each
+        # node once (a node already visited adds no new fact), so recursive helpers with many
+        # callers cost a linear walk, not one per path. A True is a proof and is kept; a
+        # False is exact only for the query that started the walk.
+        memo = self._wrapped_memo
+        if id(expr) in memo:
+            return memo[id(expr)]
+        top = self._visited is None
+        if top:
+            self._visited = set()
+        elif ("ref", id(expr)) in self._visited:
             return False
-        asking.add(id(expr))
+        self._visited.add(("ref", id(expr)))
         try:
-            return self._wrapped_reference(expr)
+            result = self._wrapped_reference(expr)
         finally:
-            asking.discard(id(expr))
+            if top:
+                self._visited = None
+        if result or top:
+            memo[id(expr)] = result
+        return result
 
     def _wrapped_reference(self, expr: cst.BaseExpression) -> bool:
         name = dotted(expr)
@@ -1162,10 +1177,11 @@ class DdpPlan:
             return self._returned_wrapped(expr)
         return False
 
-    def _returned_wrapped(self, expr: cst.Name, depth: int = 0) -> bool:
+    def _returned_wrapped(self, expr: cst.Name) -> bool:
         """`model, optimizer = build()` where `build` returns the model it wrapped."""
-        if depth > 4:
+        if ("ret", id(expr)) in self._visited:
             return False
+        self._visited.add(("ret", id(expr)))
         scope = self.s.scope(expr)
         found, bindings = self.s.lookup(expr.value, scope, self.s.order(self.s.statement(expr) or expr))
         for b in bindings:
@@ -1184,13 +1200,11 @@ class DdpPlan:
                         b.path[0] < len(ret.elements):
                     value = ret.elements[b.path[0]].value
                 if dotted(value) is not None and (self.wrapped_reference(value) or (
-                        isinstance(value, cst.Name) and self._returned_wrapped(value, depth + 1))):
+                        isinstance(value, cst.Name) and self._returned_wrapped(value))):
                     return True
         return False
 
-    def _passed_wrapped(self, fn: Function, param: str, depth: int = 0) -> bool:
-        if depth > 4:
-            return False
+    def _passed_wrapped(self, fn: Function, param: str) -> bool:
         position = fn.position(param)
         for call in fn.callers:
             arg = call_argument(call, param, position)
