@@ -16,7 +16,7 @@ from gpumigrate import __version__
 from gpumigrate.config import Config, ConfigError, load_config
 from gpumigrate.rewriter.diff import colourize, file_diff
 from gpumigrate.rewriter.files import discover
-from gpumigrate.targets import TARGETS
+from gpumigrate.targets import TARGETS, TargetError, parse_target
 
 if TYPE_CHECKING:
     from gpumigrate.rewriter.engine import FileResult
@@ -90,10 +90,26 @@ _JOBS = click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, m
                      help="Files processed at a time, each in a worker process (default: one per CPU).")
 
 
+class _TargetList(click.ParamType):
+    """`--to ddp,amp`: one target or a comma-separated list of them."""
+
+    name = "target"
+
+    def get_metavar(self, param: click.Parameter, ctx: Optional[click.Context] = None) -> str:
+        return "TARGET[,TARGET]"
+
+    def convert(self, value: str, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        try:
+            return parse_target(value)
+        except TargetError as error:
+            self.fail(str(error), param, ctx)
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@click.option("--to", "target", type=click.Choice(TARGETS), default=None,
-              help="What to migrate the scripts to (default: `target` in [tool.gpumigrate], else device).")
+@click.option("--to", "target", type=_TargetList(), default=None,
+              help="What to migrate the scripts to: device, ddp, amp, or a list such as ddp,amp (amp and ddp "
+                   "include device; default: `target` in [tool.gpumigrate], else device).")
 @click.option("--diff", "show_diff", is_flag=True, help="Print a unified diff; write nothing.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if any file would change.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
@@ -122,7 +138,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     from gpumigrate.rewriter.vendor import VENDORED_MODULE
 
     reading_stdin, config = _inputs(paths, stdin_filename)
-    target = target or config.target or "device"  # --to is a click.Choice; config checks its own
+    target = target or config.target or "device"  # both already parsed and checked
     if show_diff and check:
         raise click.UsageError("--diff and --check: choose one")
     if output and (show_diff or check):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Exclusions
-from gpumigrate.targets import TARGETS
+from gpumigrate.targets import TargetError, parse_target
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -153,8 +153,11 @@ def load_config(paths: Sequence[str]) -> Config:
     if target is not None and not isinstance(target, str):
         raise ConfigError(f"{path}: [tool.gpumigrate] target must be a string")
     # Checked here, for `lint` too: a broken configuration is broken whatever the command.
-    if target is not None and target not in TARGETS:
-        raise ConfigError(f"{path}: [tool.gpumigrate] unknown target {target!r} (choose from {', '.join(TARGETS)})")
+    if target is not None:
+        try:
+            target = parse_target(target)
+        except TargetError as error:
+            raise ConfigError(f"{path}: [tool.gpumigrate] target: {error}") from None
     max_size = table.get("max-file-size", DEFAULT_MAX_FILE_SIZE)
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0:
         raise ConfigError(f"{path}: [tool.gpumigrate] max-file-size must be a positive number of bytes")

@@ -119,6 +119,94 @@ def test_keep_batchnorm_fp32_on_a_half_model(rt):
     assert bn.running_mean.dtype == torch.float32 and bn.running_mean.abs().sum() > 0
 
 
+@pytest.mark.parametrize("device, env, dtype", [
+    ("cpu", None, torch.bfloat16), ("cuda", None, torch.float16), ("cuda:1", None, torch.float16),
+    ("mps", None, torch.float16), ("cpu", "fp16", torch.float16), ("cuda", "off", None),
+])
+def test_amp_dtype_is_chosen_per_device_and_can_be_overridden(monkeypatch, rt, device, env, dtype):
+    monkeypatch.delenv("GPUMIGRATE_AMP", raising=False)
+    if env:
+        monkeypatch.setenv("GPUMIGRATE_AMP", env)
+    assert rt.amp_dtype(device) == dtype
+    assert rt.amp_dtype(torch.device(device)) == dtype
+
+
+def test_a_bad_amp_override_is_one_clear_error(monkeypatch, rt):
+    monkeypatch.setenv("GPUMIGRATE_AMP", "fp8")
+    with pytest.raises(ValueError, match="GPUMIGRATE_AMP='fp8'"):
+        rt.amp_dtype("cpu")
+
+
+@pytest.mark.parametrize("env, dtype", [(None, torch.bfloat16), ("fp16", torch.float16), ("off", torch.float32)])
+def test_autocast_runs_the_forward_in_the_chosen_dtype(monkeypatch, rt, env, dtype):
+    monkeypatch.delenv("GPUMIGRATE_AMP", raising=False)
+    if env:
+        monkeypatch.setenv("GPUMIGRATE_AMP", env)
+    model = torch.nn.Linear(4, 2)
+    with rt.autocast(torch.device("cpu")):
+        assert model(torch.randn(3, 4)).dtype == dtype
+    with rt.autocast("cpu", enabled=False):
+        assert model(torch.randn(3, 4)).dtype == torch.float32
+
+
+def _scaled_step(rt, scaler, poison: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    with rt.autocast("cpu"):
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    if poison:
+        model.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    return before, model.weight.detach()
+
+
+def test_the_scaler_skips_a_step_with_inf_gradients_and_backs_off(monkeypatch, rt):
+    monkeypatch.setenv("GPUMIGRATE_AMP", "fp16")  # float16: scaling on, as on CUDA
+    scaler = rt.grad_scaler("cpu")
+    assert scaler.is_enabled()
+    start = scaler.get_scale()
+    before, after = _scaled_step(rt, scaler, poison=True)
+    assert torch.equal(before, after), "a step with inf gradients updated the weights"
+    assert scaler.get_scale() == start * 0.5
+    before, after = _scaled_step(rt, scaler, poison=False)
+    assert not torch.equal(before, after) and torch.isfinite(after).all()
+    assert scaler.get_scale() == start * 0.5  # growth waits for 2000 good steps
+
+
+def test_the_scaler_is_a_pass_through_in_bfloat16(monkeypatch, rt):
+    monkeypatch.delenv("GPUMIGRATE_AMP", raising=False)
+    scaler = rt.grad_scaler("cpu")
+    assert not scaler.is_enabled()
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert scaler.scale(loss) is loss
+    before, after = _scaled_step(rt, scaler, poison=False)
+    assert not torch.equal(before, after)
+    assert scaler.state_dict() == {}
+
+
+def test_scaler_state_round_trips_and_old_checkpoints_start_afresh(monkeypatch, rt):
+    monkeypatch.setenv("GPUMIGRATE_AMP", "fp16")
+    scaler = rt.grad_scaler("cpu")
+    _scaled_step(rt, scaler, poison=True)
+    resumed = rt.grad_scaler("cpu")
+    rt.load_scaler_state(resumed, scaler.state_dict())
+    assert resumed.get_scale() == scaler.get_scale()
+    for old in (None, {}):  # written before the migration, or by a run with scaling off
+        fresh = rt.grad_scaler("cpu")
+        rt.load_scaler_state(fresh, old)
+        assert fresh.get_scale() == 65536.0
+
+
+def test_optimizer_params_are_every_group_s_parameters(rt):
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD([{"params": a.parameters()}, {"params": b.parameters(), "lr": 0.5}], lr=0.1)
+    assert [id(p) for p in rt.optimizer_params(opt)] == [id(p) for p in [*a.parameters(), *b.parameters()]]
+
+
 @pytest.mark.parametrize("env, expected", [
     ({}, None),
     ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, (3, 1, 4)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple, Type
 
-from gpumigrate.targets import TARGET_BASES, TARGETS  # noqa: F401  (re-exported)
+from gpumigrate.targets import TARGET_BASES, TARGETS, target_bases  # noqa: F401  (re-exported)
 
 from gpumigrate.codemods.base import Rule
 from gpumigrate.codemods.device import (
@@ -102,13 +102,13 @@ RULES_BY_CODE: Dict[str, Type[Rule]] = {rule.code: rule for rule in ALL_RULES}
 
 def fixed_codes(target: str) -> List[str]:
     """Codes whose fixes the `target` migration applies."""
-    bases = TARGET_BASES[target]
+    bases = target_bases(target)
     return [rule.code for rule in ALL_RULES if rule.fixed_in & set(bases)]
 
 
 def rules_for(target: str) -> List[Type[Rule]]:
     """The rules a migration to `target` runs: its fixes, plus lint-only rules it reports."""
-    bases = set(TARGET_BASES[target])
+    bases = set(target_bases(target))
     return [rule for rule in ALL_RULES if rule.fixed_in & bases or getattr(rule, "reported_in", frozenset()) & bases]
 
 

@@ -22,9 +22,18 @@ from gpumigrate.runtime.distributed import (
     without_module_prefix,
     wrap_model,
 )
-from gpumigrate.runtime.precision import keep_batchnorm_fp32
+from gpumigrate.runtime.precision import (
+    amp_dtype,
+    autocast,
+    grad_scaler,
+    keep_batchnorm_fp32,
+    load_scaler_state,
+    optimizer_params,
+)
 
 __all__ = [
+    "amp_dtype",
+    "autocast",
     "barrier",
     "broadcast_object",
     "cleanup_distributed",
@@ -32,8 +41,11 @@ __all__ = [
     "get_device",
     "get_rank",
     "get_world_size",
+    "grad_scaler",
     "is_main_process",
     "keep_batchnorm_fp32",
+    "load_scaler_state",
+    "optimizer_params",
     "reduce_mean",
     "reduce_sum",
     "set_epoch",
