@@ -164,9 +164,10 @@ def _scaled_step(rt, scaler, poison: bool):
     return before, model.weight.detach()
 
 
-def test_the_scaler_skips_a_step_with_inf_gradients_and_backs_off(monkeypatch, rt):
+@pytest.mark.parametrize("where", ["cpu", None], ids=["device", "lazy"])
+def test_the_scaler_skips_a_step_with_inf_gradients_and_backs_off(monkeypatch, rt, where):
     monkeypatch.setenv("GPUMIGRATE_AMP", "fp16")  # float16: scaling on, as on CUDA
-    scaler = rt.grad_scaler("cpu")
+    scaler = rt.grad_scaler(where)
     assert scaler.is_enabled()
     start = scaler.get_scale()
     before, after = _scaled_step(rt, scaler, poison=True)
@@ -177,28 +178,52 @@ def test_the_scaler_skips_a_step_with_inf_gradients_and_backs_off(monkeypatch, r
     assert scaler.get_scale() == start * 0.5  # growth waits for 2000 good steps
 
 
-def test_the_scaler_is_a_pass_through_in_bfloat16(monkeypatch, rt):
+@pytest.mark.parametrize("where", ["cpu", None], ids=["device", "lazy"])
+def test_the_scaler_is_a_pass_through_in_bfloat16(monkeypatch, rt, where):
     monkeypatch.delenv("GPUMIGRATE_AMP", raising=False)
-    scaler = rt.grad_scaler("cpu")
-    assert not scaler.is_enabled()
+    scaler = rt.grad_scaler(where)
     loss = torch.tensor(2.0, requires_grad=True)
     assert scaler.scale(loss) is loss
+    assert not scaler.is_enabled()
     before, after = _scaled_step(rt, scaler, poison=False)
     assert not torch.equal(before, after)
     assert scaler.state_dict() == {}
 
 
-def test_scaler_state_round_trips_and_old_checkpoints_start_afresh(monkeypatch, rt):
+@pytest.mark.parametrize("where", ["cpu", None], ids=["device", "lazy"])
+def test_scaler_state_round_trips_and_old_checkpoints_still_load(monkeypatch, rt, where):
     monkeypatch.setenv("GPUMIGRATE_AMP", "fp16")
-    scaler = rt.grad_scaler("cpu")
+    scaler = rt.grad_scaler(where)
     _scaled_step(rt, scaler, poison=True)
-    resumed = rt.grad_scaler("cpu")
-    rt.load_scaler_state(resumed, scaler.state_dict())
-    assert resumed.get_scale() == scaler.get_scale()
-    for old in (None, {}):  # written before the migration, or by a run with scaling off
-        fresh = rt.grad_scaler("cpu")
+    resumed = rt.grad_scaler(where)
+    rt.load_scaler_state(resumed, scaler.state_dict())  # before its first loss, when lazy
+    _scaled_step(rt, resumed, poison=False)
+    assert resumed.get_scale() == scaler.get_scale() == 32768.0
+    # written before the migration, by a run with scaling off, by apex's amp.state_dict()
+    for old, scale in ((None, 65536.0), ({}, 65536.0), ({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}}, 512.0)):
+        fresh = rt.grad_scaler(where)
         rt.load_scaler_state(fresh, old)
-        assert fresh.get_scale() == 65536.0
+        _scaled_step(rt, fresh, poison=False)
+        assert fresh.get_scale() == scale
+
+
+def test_a_lazy_scaler_that_scaled_nothing_steps_plainly(rt):
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    before = model.weight.detach().clone()
+    scaler = rt.grad_scaler()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(before, model.weight)
+
+
+def test_autocast_follows_the_model_or_tensor_it_is_given(monkeypatch, rt):
+    monkeypatch.delenv("GPUMIGRATE_AMP", raising=False)
+    model = torch.nn.Linear(4, 2)
+    for where in (model, torch.zeros(1), torch.nn.ReLU()):  # a module without parameters: CPU
+        with rt.autocast(where):
+            assert model(torch.randn(3, 4)).dtype == torch.bfloat16
 
 
 def test_optimizer_params_are_every_group_s_parameters(rt):

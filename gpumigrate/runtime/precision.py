@@ -50,8 +50,24 @@ _AMP_NAMES = {"off": None, "fp16": torch.float16, "float16": torch.float16, "bf1
               "bfloat16": torch.bfloat16}
 
 
-def amp_dtype(device: Union[torch.device, str]) -> Optional[torch.dtype]:
-    """The autocast dtype for `device`, or None for none (full precision).
+Where = Union[torch.device, str, nn.Module, torch.Tensor]
+
+
+def _device_type(where: Where) -> str:
+    """The device type of a device, a module (its first parameter or buffer) or a tensor."""
+    if isinstance(where, nn.Module):
+        first = next(iter(where.parameters()), None)
+        if first is None:
+            first = next(iter(where.buffers()), None)
+        return first.device.type if first is not None else "cpu"
+    if isinstance(where, torch.Tensor):
+        return where.device.type
+    return torch.device(where).type
+
+
+def amp_dtype(where: Where) -> Optional[torch.dtype]:
+    """The autocast dtype on the device of `where` (a device, a model or a tensor), or None
+    for none (full precision).
 
     The environment variable `GPUMIGRATE_AMP` overrides the choice for every device: `off`,
     `fp16`/`float16` or `bf16`/`bfloat16` (for example to debug a run in float32, or to
@@ -61,24 +77,81 @@ def amp_dtype(device: Union[torch.device, str]) -> Optional[torch.dtype]:
         if chosen not in _AMP_NAMES:
             raise ValueError(f"GPUMIGRATE_AMP={chosen!r}: use one of {', '.join(_AMP_NAMES)}")
         return _AMP_NAMES[chosen]
-    return _AMP_DTYPES.get(torch.device(device).type)
+    return _AMP_DTYPES.get(_device_type(where))
 
 
-def autocast(device: Union[torch.device, str], enabled: bool = True) -> torch.autocast:
-    """`torch.autocast` for `device` with the dtype of `amp_dtype` (disabled where that is
-    None): one script runs in float16 on CUDA, bfloat16 on a CPU, float32 when switched off."""
-    dtype = amp_dtype(device)
-    device_type = torch.device(device).type
+def autocast(where: Where, enabled: bool = True) -> torch.autocast:
+    """`torch.autocast` on the device of `where` (a device, or the model about to run, or a
+    tensor) with the dtype of `amp_dtype`: one script runs in float16 on CUDA, bfloat16 on a
+    CPU, float32 when switched off."""
+    dtype = amp_dtype(where)
+    device_type = _device_type(where)
     # autocast checks its dtype even when it is off: give it one every device accepts
     return torch.autocast(device_type=device_type, dtype=dtype or _AMP_DTYPES.get(device_type, torch.bfloat16),
                           enabled=enabled and dtype is not None)
 
 
-def grad_scaler(device: Union[torch.device, str], enabled: bool = True) -> torch.amp.GradScaler:
-    """A `torch.amp.GradScaler` for `device`, on only where autocast runs in float16 (bfloat16
-    has float32's range: scaling would only cost time). Off, it is a pass-through:
-    `scale(loss)` is `loss`, `step(opt)` is `opt.step()`, `update()` does nothing."""
-    return torch.amp.GradScaler(torch.device(device).type, enabled=enabled and amp_dtype(device) == torch.float16)
+class GradScaler:
+    """`torch.amp.GradScaler` whose device is the first scaled loss's, so a script can make
+    it once, anywhere, before it knows its device. It is on only where autocast runs in
+    float16 (bfloat16 has float32's range: scaling would only cost time); off, it passes
+    through: `scale(loss)` is `loss`, `step(opt)` is `opt.step()`."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._enabled = enabled
+        self._scaler: Optional[torch.amp.GradScaler] = None
+        self._pending: Optional[dict] = None  # state loaded before the first loss
+
+    def _start(self, where: Where) -> torch.amp.GradScaler:
+        if self._scaler is None:
+            self._scaler = grad_scaler(where, self._enabled)
+            if self._pending is not None:
+                self._scaler.load_state_dict(self._pending)
+        return self._scaler
+
+    def scale(self, outputs: Any) -> Any:
+        first = outputs if isinstance(outputs, torch.Tensor) else next(iter(outputs))
+        return self._start(first).scale(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self._scaler is None:  # nothing was scaled: a plain step
+            return optimizer.step(*args, **kwargs)
+        return self._scaler.step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        if self._scaler is not None:
+            self._scaler.update(new_scale)
+
+    def is_enabled(self) -> bool:
+        return self._scaler.is_enabled() if self._scaler is not None else self._enabled
+
+    def get_scale(self) -> float:
+        if self._scaler is not None:
+            return self._scaler.get_scale()
+        return float((self._pending or {}).get("scale", 2.0**16)) if self._enabled else 1.0  # torch's initial scale
+
+    def state_dict(self) -> dict:
+        if self._scaler is None:
+            return dict(self._pending or {})
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._scaler is None:
+            self._pending = dict(state)
+        else:
+            self._scaler.load_state_dict(state)
+
+
+def grad_scaler(where: Optional[Where] = None, enabled: bool = True) -> Any:
+    """A loss scaler, on only where autocast runs in float16 on the device of `where`. With no
+    `where`, a `GradScaler` that finds its device at the first `scale(loss)`."""
+    if where is None:
+        return GradScaler(enabled)
+    return torch.amp.GradScaler(_device_type(where), enabled=enabled and amp_dtype(where) == torch.float16)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
@@ -87,9 +160,13 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Para
         yield from group["params"]
 
 
-def load_scaler_state(scaler: torch.amp.GradScaler, state: Optional[dict]) -> None:
-    """Restore `scaler` from a checkpoint's entry, which checkpoints written before mixed
-    precision (None) or by a run with scaling off (an empty dict) do not have: the scaler
-    then starts afresh."""
-    if state:
+def load_scaler_state(scaler: Any, state: Optional[dict]) -> None:
+    """Restore `scaler` from a checkpoint's entry. Checkpoints written before mixed precision
+    (None), by a run with scaling off (an empty dict) or by apex's `amp.state_dict()` (its
+    loss scale is kept) still load."""
+    if state and "scale" not in state:  # apex: {"loss_scaler0": {"loss_scale": ..., "unskipped": ...}}
+        scales = [v["loss_scale"] for v in state.values() if isinstance(v, dict) and "loss_scale" in v]
+        state = {"scale": float(min(scales)), "growth_factor": 2.0, "backoff_factor": 0.5,
+                 "growth_interval": 2000, "_growth_tracker": 0} if scales else None
+    if state and scaler.is_enabled():
         scaler.load_state_dict(state)
