@@ -118,6 +118,8 @@ class _TargetList(click.ParamType):
 @_IGNORE
 @_EXCLUDE
 @click.option("--sync-bn", is_flag=True, help="ddp: convert BatchNorm to SyncBatchNorm when wrapping models.")
+@click.option("--keep-half", is_flag=True,
+              help="amp: keep `.half()` training in pure float16 (BatchNorm kept in float32) instead of autocast.")
 @click.option("--report", "report_file", type=click.Path(dir_okay=False), default=None,
               help="Write the migration report here: Markdown, or JSON for a .json name.")
 @_STDIN_NAME
@@ -128,7 +130,7 @@ class _TargetList(click.ParamType):
 @click.option("-q", "--quiet", is_flag=True, help="Only errors and the summary.")
 @_JOBS
 def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, check: bool, output: Optional[str],
-            select: Tuple[str, ...], ignore: Tuple[str, ...], exclude: Tuple[str, ...], sync_bn: bool,
+            select: Tuple[str, ...], ignore: Tuple[str, ...], exclude: Tuple[str, ...], sync_bn: bool, keep_half: bool,
             report_file: Optional[str], stdin_filename: Optional[str], color: str, vendor_dir: Optional[str],
             quiet: bool, jobs: Optional[int]) -> None:
     """Rewrite PATHS (files, directories, or `-` for stdin) for the --to target.
@@ -165,7 +167,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
         rules = selection.for_file(name, target_rules)
         return rules, [r.code for r in rules if r.code in fix_codes]
 
-    options = {"sync_bn": sync_bn, "runtime_module": runtime_module}
+    options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module}
     results: List[FileResult] = []
     processed = _process(files, stdin_filename, plan, options, max_size=config.max_file_size, jobs=jobs)
     for result in _progress(processed, len(files), "migrating") if quiet else processed:

@@ -5,6 +5,7 @@ Regenerate the goldens after an intended change with `GPUMIGRATE_UPDATE_GOLDENS=
 then read the diff before committing it.
 """
 
+import ast
 import difflib
 import math
 import os
@@ -26,7 +27,7 @@ RUNS_ON_CPU = {"agnostic.py": [], "dcgan_gan.py": [], "mnist_2019.py": ["--no-cu
                "mem_loss_logger.py": [], "mem_eval_no_grad.py": [], "mem_oom_skip.py": [], "eval_only.py": []}
 # Scripts the device target must leave byte for byte as they are (already device-agnostic, or
 # with only report-only findings).
-UNCHANGED = {"agnostic.py": "no findings", "mem_oom_skip.py": "review only", "functional_maml.py": "no findings",
+UNCHANGED = {"agnostic.py": "no findings", "amp_apex_gan.py": "no findings", "amp_torch_cuda_amp.py": "no findings", "mem_oom_skip.py": "review only", "functional_maml.py": "no findings",
              "run_dir_main.py": "no findings"}
 NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
 # ddp goldens that tests/test_ddp_e2e.py and tests/test_patterns_e2e.py run in one process too
@@ -35,8 +36,38 @@ RUN_ELSEWHERE = {"mnist_2019.py", "resnet_dataparallel.py", "dcgan_gan.py", "che
                  "functional_maml.py", "wordlm_batches.py", "run_dir_main.py"}
 
 
+# The amp migrations' goldens: every mixed-precision fixture, and older fixtures with `.half()`
+# training or a GAN (their amp runs are in tests/test_amp_e2e.py).
+AMP_SCRIPTS = sorted((FIXTURES / "scripts").glob("amp_*.py")) + [
+    FIXTURES / "scripts" / n for n in ("mem_fp16_batchnorm.py", "dcgan_gan.py", "checkpoint_resume.py")]
+AMP_TARGETS = ("amp", "ddp,amp")
+
+
 def golden(script, target=TARGET):
     return FIXTURES / "expected" / target / script.name
+
+
+@pytest.mark.parametrize("target", AMP_TARGETS)
+@pytest.mark.parametrize("amp_script", AMP_SCRIPTS, ids=lambda p: p.name)
+def test_amp_golden_and_idempotent(amp_script, target):
+    result = migrate(amp_script.read_bytes(), target, str(amp_script))
+    assert result.error is None
+    assert result.changed
+    path = golden(amp_script, target)
+    if os.environ.get("GPUMIGRATE_UPDATE_GOLDENS"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(result.new_source)
+    assert result.new_source == path.read_bytes()
+    compile(result.new_source, str(path), "exec")
+    tree = ast.parse(result.new_source)
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+        [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [name for name in imported if name.split(".")[0] == "apex" or name.startswith("torch.cuda.amp")]
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and (
+        n.attr == "half" or n.attr == "amp" and ast.unparse(n.value) == "torch.cuda")]
+    assert not [f for f in result.findings if f.review and f.code.startswith("GM5")], "amp needs a human decision"
+    again = migrate(result.new_source, target, str(amp_script))
+    assert again.error is None and again.new_source is None, "a second run changed the file"
 
 
 @pytest.fixture(params=SCRIPTS, ids=lambda p: p.name)

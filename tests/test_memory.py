@@ -125,3 +125,86 @@ def test_migration_frees_the_graphs():
     _, (original_average, original_losses) = live_graphs(SNIPPET, 50)
     assert [loss.item() for loss in original_losses] == losses
     assert abs(original_average.item() - average) < 1e-5  # float32 vs float64 running sum
+
+
+# GM305: a model converted to float16 twice. The BatchNorm guard must follow the last
+# conversion: after an earlier one, the second `.half()` puts BatchNorm back in float16 under
+# the float32 hooks, and the forward pass fails with "mixed dtype (CPU)".
+HALF_TWICE = '''\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+device = torch.device("cpu")
+torch.manual_seed(0)
+loader = [(torch.randn(8, 1, 6, 6), torch.zeros(8)) for _ in range(2)]
+model = Net()
+model.half()
+outputs = []
+net = model.half().to(device)
+for x, y in loader:
+    out = net(x.half())
+    outputs.append(out)
+'''
+
+
+def conversion_lines(source):
+    lines = source.splitlines()
+    return [lines.index("model.half()") + 1, lines.index("net = model.half().to(device)") + 1]
+
+
+def run_half_script(source):
+    namespace = {"__name__": "half_script"}
+    exec(compile(source, "half_script.py", "exec"), namespace)
+    return namespace
+
+
+def test_half_twice_guards_after_the_last_conversion_and_runs():
+    result = migrate(HALF_TWICE.encode(), "device")
+    assert result.error is None
+    assert result.new_source is not None, "GM305 did not rewrite the snippet"
+    migrated = result.new_source.decode()
+    assert "from gpumigrate.runtime import keep_batchnorm_fp32\n" in migrated
+    assert "net = model.half().to(device)\nkeep_batchnorm_fp32(net)\nfor x, y in loader:\n" in migrated
+    assert migrated.count("keep_batchnorm_fp32(") == 1  # one guard, after the last conversion
+    gm305 = [f for f in result.findings if f.code == "GM305"]
+    assert [f.line for f in gm305] == conversion_lines(HALF_TWICE)  # both conversions are reported
+    assert all(f.fixed for f in gm305)
+
+    namespace = run_half_script(migrated)  # no "mixed dtype" error
+    net = namespace["net"]
+    assert net.bn.weight.dtype == net.bn.running_var.dtype == torch.float32
+    assert net.conv.weight.dtype == torch.float16
+    assert len(namespace["outputs"]) == 2
+    assert all(out.dtype == torch.float16 and torch.isfinite(out).all() for out in namespace["outputs"])
+
+    again = migrate(result.new_source, "device")  # idempotent
+    assert again.error is None and again.new_source is None
+    assert not [f for f in again.findings if f.code == "GM305"]
+
+
+def test_half_twice_guard_after_the_first_conversion_fails():
+    """What the fix avoids: the guard after `model.half()` alone is undone by the second
+    conversion. Migrating that placement adds the guard after the last conversion."""
+    migrated = migrate(HALF_TWICE.encode(), "device").new_source.decode()
+    early = migrated.replace("keep_batchnorm_fp32(net)\n", "").replace(
+        "model.half()\n", "model.half()\nkeep_batchnorm_fp32(model)\n", 1)
+    assert early.count("keep_batchnorm_fp32(") == 1
+    with pytest.raises(RuntimeError, match="mixed dtype"):
+        run_half_script(early)
+
+    result = migrate(early.encode(), "device")
+    assert result.error is None and result.new_source is not None
+    fixed = result.new_source.decode()
+    assert "net = model.half().to(device)\nkeep_batchnorm_fp32(net)\n" in fixed
+    assert [f.line for f in result.findings if f.code == "GM305"] == conversion_lines(early)

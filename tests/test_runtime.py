@@ -117,6 +117,10 @@ def test_keep_batchnorm_fp32_on_a_half_model(rt):
     out.float().sum().backward()
     assert bn.weight.grad.dtype == torch.float32
     assert bn.running_mean.dtype == torch.float32 and bn.running_mean.abs().sum() > 0
+    model.half()  # converted again: a second guard puts BatchNorm back, hooks still once
+    keep_batchnorm_fp32(model)
+    assert bn.weight.dtype == torch.float32 and len(bn._forward_pre_hooks) == 1
+    assert model(x).dtype == torch.float16
 
 
 @pytest.mark.parametrize("device, env, dtype", [

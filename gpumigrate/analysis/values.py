@@ -475,6 +475,9 @@ class Values:
             qualified = self.qualify(value.func) or ""
             if qualified.endswith("random_split"):
                 return DATASET
+            if qualified == "apex.amp.initialize":  # returns the models and optimizers it was given
+                given = [a.value for a in value.args if a.keyword is None]
+                return self.unpacked(given[path[0]], path[1:], scope, at) if path[0] < len(given) else UNKNOWN
             if isinstance(value.func, cst.Attribute) and value.func.attr.value in ("max", "min", "topk", "sort"):
                 return TENSOR
         if isinstance(value, cst.Name):

@@ -6,6 +6,7 @@ from typing import Dict, List, Tuple, Type
 
 from gpumigrate.targets import TARGET_BASES, TARGETS, target_bases  # noqa: F401  (re-exported)
 
+from gpumigrate.codemods.amp import AmpSetup, ApexAmp, DeprecatedCudaAmp, HalfTraining
 from gpumigrate.codemods.base import Rule
 from gpumigrate.codemods.device import (
     CudaCall,
@@ -86,6 +87,10 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     WrappedAttribute,
     RankZeroOutput,
     PerRankValue,
+    AmpSetup,
+    ApexAmp,
+    HalfTraining,
+    DeprecatedCudaAmp,
     # report only: no safe mechanical fix
     DiscardedMove,
     DataAttribute,

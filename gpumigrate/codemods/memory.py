@@ -7,6 +7,7 @@ The seed posts' main lesson: a loss tensor carries the autograd graph of its ste
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import List, Optional, Set, Union
 
@@ -14,7 +15,8 @@ import libcst as cst
 import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
-from gpumigrate.analysis.structure import target_names
+from gpumigrate.analysis.structure import dotted, target_names
+from gpumigrate.codemods.amp_plan import amp_plan
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.helpers import (
     call_method,
@@ -23,6 +25,7 @@ from gpumigrate.codemods.helpers import (
     last_name,
     literal_str,
     loop_index,
+    runtime_helper,
     runtime_name,
     statements,
     walk,
@@ -386,10 +389,79 @@ class EvalWithoutNoGrad(Rule):
     leave_For = leave_While = _loop
 
 
-_HALF_STATEMENT = m.SimpleStatementLine(body=[
-    m.Expr(m.Call(func=m.Attribute(attr=m.Name("half")), args=[]))
-    | m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("half")), args=[]))
-])
+# A conversion of a model to float16 is a statement of its own whose value is a chain of
+# `.half()`, `.to(...)`, `.cuda(...)` and `.cpu()` calls that leaves it in float16:
+# `model.half()`, `net = Net().half()`, `net = model.half().to(device)`,
+# `model = model.to(device).half()`, `model.half().cuda()`.
+_CHAIN = ("half", "to", "cuda", "cpu")
+_HALF_DTYPES = frozenset({"float16", "half"})
+_OTHER_DTYPES = frozenset({"float", "float32", "float64", "double", "bfloat16"})
+_GUARD = "keep_batchnorm_fp32"
+
+
+def _to_dtype(call: cst.Call) -> Optional[bool]:
+    """For `.to(...)`: True if it casts to float16, False to another float dtype, None if it
+    only moves (`.to(device)`)."""
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value != "dtype":
+            continue
+        name = (dotted(arg.value) or "").rsplit(".", 1)[-1]
+        if name in _HALF_DTYPES:
+            return True
+        if name in _OTHER_DTYPES:
+            return False
+    return None
+
+
+def _half_receiver(expr: cst.BaseExpression) -> Optional[cst.BaseExpression]:
+    """What `expr` converts to float16, if it is such a chain (`model` in
+    `model.half().to(device)`); else None."""
+    links = []
+    while is_method_call(expr, *_CHAIN):
+        links.append(expr)
+        expr = expr.func.value
+    half = False
+    for call in reversed(links):  # in the order they run
+        if call.func.attr.value == "half" and not call.args:
+            half = True
+        elif call.func.attr.value == "to":
+            dtype = _to_dtype(call)
+            half = half if dtype is None else dtype
+    return expr if half else None
+
+
+def _half_statement(line: cst.CSTNode):
+    """(receiver, assigned Name or None) for a conversion statement line, else None. Only
+    one statement on the line; an assignment only to one name; an expression statement
+    only on a name (`model.half()`: the receiver is the model that is then used)."""
+    if not isinstance(line, cst.SimpleStatementLine) or len(line.body) != 1:
+        return None
+    small = line.body[0]
+    if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
+        receiver = _half_receiver(small.value)
+        return (receiver, small.targets[0].target) if receiver is not None else None
+    if isinstance(small, cst.Expr):
+        receiver = _half_receiver(small.value)
+        return (receiver, None) if isinstance(receiver, cst.Name) else None
+    return None
+
+
+class _Conversion:
+    """A conversion statement line: the name it converts (None for `Net().half()`), the
+    name then used (the assigned one, else the receiver), where it is."""
+
+    __slots__ = ("line", "receiver", "used", "order", "block", "model")
+
+    def __init__(self, line, receiver, used, order, block):
+        self.line, self.receiver, self.used, self.order, self.block = line, receiver, used, order, block
+        self.model = None  # which model object of its scope, found by HalfBatchNorm._plan_scope
+
+
+def _chain_link(value: cst.BaseExpression) -> Optional[str]:
+    """`net = model` or `net = model.to(device)`: `net` names the same module as `model`."""
+    while is_method_call(value, *_CHAIN):
+        value = value.func.value
+    return value.value if isinstance(value, cst.Name) else None
 
 
 class HalfBatchNorm(Rule):
@@ -412,6 +484,10 @@ class HalfBatchNorm(Rule):
     keep_batchnorm_fp32(model)  # from gpumigrate.runtime: BatchNorm stays float32
     ```
     Or better, train in mixed precision (`--to amp`).
+
+    A model converted more than once (`model.half()`, later `net = model.half().to(device)`)
+    gets the guard after its last conversion, on the name then used (`net`): a later `.half()`
+    would put BatchNorm back in float16 under the float32 hooks.
     """
 
     code = "GM305"
@@ -430,36 +506,122 @@ class HalfBatchNorm(Rule):
             fixed="import torch.nn as nn\nfrom gpumigrate.runtime import keep_batchnorm_fp32\n\n"
             "bn = nn.BatchNorm1d(3)\nnet = Net().half()\nkeep_batchnorm_fp32(net)\n",
         ),
+        Flagged(  # converted twice: one guard, after the last conversion, on the name then used
+            "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))\nmodel.half()\n"
+            "net = model.half().to(device)\nout = net(x.half())\n",
+            fixed="import torch.nn as nn\nfrom gpumigrate.runtime import keep_batchnorm_fp32\n\n"
+            "model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))\nmodel.half()\n"
+            "net = model.half().to(device)\nkeep_batchnorm_fp32(net)\nout = net(x.half())\n",
+        ),
         Clean("import torch.nn as nn\nmodel = nn.Linear(2, 2)\nmodel.half()\n"),
         Clean("import torch.nn as nn\nbn = nn.BatchNorm1d(3)\nx = data.half()\n"),
         Clean("import torch.nn as nn\nbn = nn.BatchNorm1d(3)\nmodel.half()\nkeep_batchnorm_fp32(model)\n"),
+        Clean("import torch.nn as nn\nbn = nn.BatchNorm1d(3)\nmodel.half()\nnet = model.to(device).half()\n"
+              "keep_batchnorm_fp32(net)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.active = "BatchNorm" in self.ctx.text
-        self.guarded = {
-            call.args[0].value.value
-            for call in findall(node, m.Call(func=m.Name("keep_batchnorm_fp32"), args=[m.Arg(m.Name())]))
-        }
+        # --to amp replaces `.half()` training by autocast (GM502): no float16 BatchNorm to guard
+        self.active = "BatchNorm" in self.ctx.text and not ("GM502" in self.ctx.fixing and amp_plan(self.ctx).active)
+        self.flagged: Set[int] = set()  # id(line): conversions to report
+        self.guard_after: dict = {}  # id(line) -> the name to guard after it
+        if self.active:
+            self._plan(node)
+
+    def _is_guard(self, call: cst.Call) -> bool:
+        return last_name(call.func) == _GUARD or runtime_helper(self.qualify(call.func)) == _GUARD
+
+    def _plan(self, node: cst.Module) -> None:
+        module = script_model(self.ctx)
+        s = module.s
+        by_scope: dict = {}  # scope -> [conversion]
+        seen: Set[int] = set()
+        for call in findall(node, m.Call(func=m.Attribute(attr=m.Name("half")), args=[])):
+            line = s.line(call)
+            if line is None or id(line) in seen:
+                continue
+            seen.add(id(line))
+            found = _half_statement(line)
+            if found is None:
+                continue
+            receiver, target = found
+            if not (module.module_like(receiver) or (target is not None and module.module_like(target))):
+                continue
+            name = receiver.value if isinstance(receiver, cst.Name) else None
+            by_scope.setdefault(s.scope(line), []).append(_Conversion(
+                line, name, target.value if target is not None else name, s.order(line.body[0]), s.block(line)))
+        if not by_scope:
+            return
+        guards: dict = {}  # scope -> [(order, name)]
+        for call in findall(node, m.Call(args=[m.Arg(m.Name())])):
+            if self._is_guard(call):
+                guards.setdefault(s.scope(call), []).append((s.order(call), call.args[0].value.value))
+        for scope, conversions in by_scope.items():
+            self._plan_scope(scope, conversions, guards.get(scope, []))
+
+    def _plan_scope(self, scope, conversions: List[_Conversion], guards) -> None:
+        """Which model each conversion and guard is about, by walking the scope's bindings,
+        conversions and guards in document order: a conversion or a plain alias
+        (`net = model`, `net = model.to(device)`) makes its target name the model its
+        receiver names; any other binding makes the name a new object."""
+        at_conversion = {c.order: c for c in conversions}
+        events = [(c.order, 1, c) for c in conversions]
+        events += [(order, 2, name) for order, name in guards]
+        events += [(b.order, 0, b) for bindings in scope.bindings.values() for b in bindings
+                   if b.order not in at_conversion]
+        events.sort(key=lambda e: (e[0], e[1]))
+        current: dict = {}  # name -> model id
+        fresh = itertools.count()
+
+        def model_of(name: str):
+            if name not in current:
+                current[name] = ("initial", name)
+            return current[name]
+
+        guarded_at: dict = {}  # model -> [order of each guard]
+        for order, kind, item in events:
+            if kind == 0:  # a binding
+                source = _chain_link(item.value) if item.how == "assign" and not item.path and \
+                    isinstance(item.value, cst.BaseExpression) else None
+                current[item.name] = model_of(source) if source is not None else next(fresh)
+            elif kind == 1:  # a conversion
+                item.model = model_of(item.receiver) if item.receiver is not None else next(fresh)
+                current[item.used] = item.model
+            else:  # a guard
+                guarded_at.setdefault(model_of(item), []).append(order)
+        groups: dict = {}
+        for c in conversions:
+            groups.setdefault(c.model, []).append(c)
+        for model, group in groups.items():
+            group.sort(key=lambda c: c.order)
+            guards_of = guarded_at.get(model, [])
+            # The guard goes after the last conversion (a guard after an earlier one is
+            # undone by the next `.half()`). Where conversions of the model sit in different
+            # blocks (branches, loops), which one runs last is not known here, so, proven or
+            # guarded: each conversion that is the last of the model in its own block gets a
+            # guard, and every path ends with one. A conversion is guarded by a guard call on
+            # its model after it and before the model's next conversion.
+            missing = []
+            for i, c in enumerate(group):
+                later = group[i + 1:]
+                if any(other.block is c.block for other in later):
+                    continue
+                until = later[0].order if later else float("inf")
+                if not any(c.order < g < until for g in guards_of):
+                    missing.append(c)
+            if missing:
+                self.flagged.update(id(c.line) for c in group)
+                self.guard_after.update((id(c.line), c.used) for c in missing)
 
     def leave_SimpleStatementLine(self, original, updated):
-        if not self.active or not m.matches(original, _HALF_STATEMENT):
+        if not self.active or id(original) not in self.flagged:
             return None
-        small = original.body[0]
-        call = small.value
-        if isinstance(small, cst.Assign):
-            model = small.targets[0].target.value
-        elif isinstance(call.func.value, cst.Name):
-            model = call.func.value.value
-        else:
+        self.report(original.body[0].value)
+        used = self.guard_after.get(id(original))
+        if used is None:
             return None
-        target = small.targets[0].target if isinstance(small, cst.Assign) else call.func.value
-        module = script_model(self.ctx)
-        if model in self.guarded or not (module.module_like(call.func.value) or module.module_like(target)):
-            return None
-        self.report(call)
         guard = cst.SimpleStatementLine(body=[cst.Expr(cst.Call(
-            func=runtime_name(self.ctx, "keep_batchnorm_fp32", self.fixing), args=[cst.Arg(cst.Name(model))]))])
+            func=runtime_name(self.ctx, _GUARD, self.fixing), args=[cst.Arg(cst.Name(used))]))])
         return cst.FlattenSentinel([updated, guard])
 
 

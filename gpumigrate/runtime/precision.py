@@ -32,11 +32,13 @@ def keep_batchnorm_fp32(model: nn.Module) -> nn.Module:
 
     Each BatchNorm's parameters and running statistics go back to float32; its input is
     cast up to float32 and its output back to the input's dtype, so the layers around it
-    still see float16. Calling it again is harmless. Returns `model`.
+    still see float16. Call it again after converting the model again. Returns `model`.
     """
     for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_gpumigrate_fp32", False):
-            module.float()
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        module.float()  # again after a later `.half()` of the model; the hooks stay registered once
+        if not getattr(module, "_gpumigrate_fp32", False):
             module.register_forward_pre_hook(_remember_dtype)
             module.register_forward_hook(_back_to_input_dtype)
             module._gpumigrate_fp32 = True

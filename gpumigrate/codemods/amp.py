@@ -1,0 +1,616 @@
+"""Mixed precision: the amp migration (autocast + loss scaling, decided in amp_plan.py), and
+what it replaces: NVIDIA apex's amp, hand-made `.half()` training, `torch.cuda.amp`."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import libcst as cst
+import libcst.matchers as m
+
+from gpumigrate.analysis import script_model
+from gpumigrate.analysis.structure import dotted
+from gpumigrate.codemods.amp_plan import AUTOCASTS, SCALERS, AmpPlan, amp_plan
+from gpumigrate.codemods.base import Clean, Flagged, Rule
+from gpumigrate.codemods.helpers import call_method, get_arg, keyword_arg, runtime_name
+
+_HEAD = "import torch\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+
+
+def _line(expr: cst.BaseExpression) -> cst.SimpleStatementLine:
+    return cst.SimpleStatementLine(body=[cst.Expr(expr)])
+
+
+def _string(text: str, like: cst.CSTNode) -> cst.SimpleString:
+    """`text` quoted as the script quotes the string `like` (a key beside it)."""
+    quote = "'" if isinstance(like, cst.SimpleString) and like.value.lstrip("rbuRBU").startswith("'") else '"'
+    return cst.SimpleString(f"{quote}{text}{quote}")
+
+
+def _scaler_call(plan: AmpPlan, method: str, args: Sequence[cst.BaseExpression]) -> cst.Call:
+    return call_method(cst.Name(plan.scaler), method, [cst.Arg(a) for a in args])
+
+
+class AmpSetup(Rule):
+    """
+    ## What it does
+    Migrates a training script to mixed precision (amp migration only): the forward passes
+    and losses of each training step run under `autocast(model)`, `loss.backward()` becomes
+    `scaler.scale(loss).backward()`, `optimizer.step()` becomes `scaler.step(optimizer)`
+    with one `scaler.update()` per iteration, and gradient clipping is preceded by
+    `scaler.unscale_(optimizer)`. Checkpoints save and restore the scaler's state next to
+    the optimizer's.
+
+    ## Why is this bad?
+    Full precision leaves most of a GPU's speed and half its memory unused. The runtime
+    picks the precision where the script runs: float16 with loss scaling on CUDA, bfloat16
+    on a CPU, none with `GPUMIGRATE_AMP=off`.
+
+    ## Example
+    ```python
+    out = model(x)
+    loss = crit(out, y)
+    loss.backward()
+    opt.step()
+    ```
+
+    ## Use instead
+    ```python
+    with autocast(model):
+        out = model(x)
+        loss = crit(out, y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    ```
+    Where the steps of an iteration cannot be placed for certain (steps in different
+    branches, a closure, `torch.autograd.backward`), the file stays in full precision and
+    the reason is listed for review.
+    """
+
+    code = "GM500"
+    name = "amp-setup"
+    message = "mixed precision: autocast for the forward pass and loss, GradScaler for backward and step"
+    fixed_in = frozenset({"amp"})
+    lint = False
+    triggers = ("backward",)
+    examples = (
+        Flagged(_HEAD + "for x, y in loader:\n    opt.zero_grad()\n    out = model(x)\n"
+                "    loss = ((out - y) ** 2).mean()\n    loss.backward()\n    opt.step()\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "for x, y in loader:\n    opt.zero_grad()\n    with autocast(model):\n        out = model(x)\n"
+                "        loss = ((out - y) ** 2).mean()\n    scaler.scale(loss).backward()\n    scaler.step(opt)\n"
+                "    scaler.update()\n"),
+        Flagged(_HEAD + "for x, y in loader:\n    loss = model(x).sum()\n    loss.backward()\n"
+                "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n    opt.step()\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "for x, y in loader:\n    with autocast(model):\n        loss = model(x).sum()\n"
+                "    scaler.scale(loss).backward()\n    scaler.unscale_(opt)\n"
+                "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n    scaler.step(opt)\n"
+                "    scaler.update()\n"),
+        # steps in different branches: one update per iteration is not placed by rule
+        Flagged(_HEAD + "d = torch.optim.SGD(model.parameters(), lr=0.1)\nfor i, (x, y) in enumerate(loader):\n"
+                "    loss = model(x).sum()\n    loss.backward()\n    opt.step()\n    if i % 5 == 0:\n"
+                "        d.step()\n"),
+        Clean(_HEAD + "scaler = torch.amp.GradScaler()\nfor x, y in loader:\n"
+              "    with torch.autocast('cuda'):\n        loss = model(x).sum()\n    scaler.scale(loss).backward()\n"
+              "    scaler.step(opt)\n    scaler.update()\n"),
+        Clean("import torch\nmodel = torch.nn.Linear(4, 1)\nprint(model(torch.zeros(1, 4)))\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.plan = amp_plan(self.ctx)
+        model = script_model(self.ctx)
+        if self.plan.why_not is not None:
+            where = model.backward_calls[0] if model.backward_calls else node
+            self.report(where, f"training left in full precision: {self.plan.why_not}", review=True)
+            return
+        if not self.plan.active:
+            return
+        for sl in self.plan.slices:
+            body = list(sl.block.body)
+            self.report(body[sl.start], "runs under autocast: the forward pass and loss in mixed precision",
+                        through=body[sl.end - 1])
+        for call in self.plan.numpy_after:
+            self.report(call, "`.numpy()` of a value computed under autocast: bfloat16 (on a CPU) has no NumPy "
+                              "dtype; add `.float()` before it if the value is one", review=True)
+        for call in self.plan.eval_numpy[:1]:
+            self.report(call, "evaluation left in full precision: its results become NumPy arrays, and bfloat16 "
+                              "(on a CPU) has none; autocast its forward pass by hand if they are cast first",
+                        review=True)
+        self.saved = [c for c in model.s.index.order if isinstance(c, cst.Call) and self._saves_optimizer(c)]
+        self.restored = {id(line) for line in self._restores_optimizer()}
+
+    def _active(self) -> bool:
+        return self.plan.active
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module):
+        if self._active():  # registered last: the scaler goes after the device set-up
+            self.plan.define_scaler(self.fixing)
+        return None
+
+    # -- backward, step, update, unscale_ -------------------------------------------------
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if not self._active():
+            return None
+        if id(original) in self.plan.backwards:
+            self.report(original, "`.backward()` of the scaled loss")
+            receiver = updated.func.value
+            return updated.with_changes(func=updated.func.with_changes(
+                value=_scaler_call(self.plan, "scale", [receiver])))
+        if id(original) in self.plan.steps:
+            self.report(original, "the optimizer steps through the scaler (skipped when gradients overflowed)")
+            return _scaler_call(self.plan, "step", [updated.func.value]).with_changes(
+                lpar=updated.lpar, rpar=updated.rpar)
+        if id(original) in self._saved_ids():
+            self.report(original, "the checkpoint keeps the loss scaler's state")
+            return self._save_scaler(updated)
+        return None
+
+    def leave_SimpleStatementLine(self, original, updated):
+        if not self._active():
+            return None
+        before: List[cst.BaseStatement] = []
+        after: List[cst.BaseStatement] = []
+        if id(original) in self.plan.inline:
+            self.report(original, "the loss is named and computed under autocast")
+        if id(original) in self.plan.unscale_before:
+            before = [_line(_scaler_call(self.plan, "unscale_", [cst.parse_expression(o)]))
+                      for o in self.plan.unscale_before[id(original)]]
+        if id(original) in self.plan.update_after:
+            after.append(_line(_scaler_call(self.plan, "update", [])))
+        if id(original) in self.restored:
+            after.append(self._restore_scaler(original))
+        if id(original) in self.plan.inline:
+            updated = self._name_the_loss(original, updated)
+        if not before and not after and id(original) not in self.plan.inline:
+            return None
+        if before:
+            before[0] = before[0].with_changes(leading_lines=updated.leading_lines)
+            updated = updated.with_changes(leading_lines=[])
+        if isinstance(updated, cst.FlattenSentinel):
+            return cst.FlattenSentinel([*before, *updated.nodes, *after])
+        return cst.FlattenSentinel([*before, updated, *after])
+
+    def _name_the_loss(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
+        """`model(x).sum().backward()` -> the loss named and computed under autocast, then
+        its scaled backward (backward itself does not run under autocast)."""
+        if id(original) not in self.plan.inline:
+            return updated
+        backward = updated.body[0].value  # already `scaler.scale(R).backward(...)`
+        scale = backward.func.value
+        loss = scale.args[0].value
+        name = cst.Name(self.plan.loss_name)
+        compute = cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(name)], value=loss)])
+        item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
+                                          args=[cst.Arg(self.plan.inline[id(original)].deep_clone())]))
+        wrapped = cst.With(items=[item], body=cst.IndentedBlock(body=[compute]), leading_lines=updated.leading_lines)
+        line = updated.with_changes(leading_lines=[], body=[updated.body[0].with_changes(value=backward.with_changes(
+            func=backward.func.with_changes(value=scale.with_changes(args=[scale.args[0].with_changes(
+                value=name)]))))])
+        return cst.FlattenSentinel([wrapped, line])
+
+    # -- autocast -------------------------------------------------------------------------
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock):
+        return self._wrap(original, updated)
+
+    def _wrap(self, original, updated):
+        slices = sorted((sl for sl in self.plan.slices if sl.block is original), key=lambda sl: sl.start) \
+            if self._active() else []
+        if not slices:
+            return None
+        groups: List[List[cst.BaseStatement]] = []
+        new = list(updated.body)
+        at = 0
+        for stmt in original.body:
+            n = len(self.ctx.rewritten(stmt))
+            groups.append(new[at:at + n])
+            at += n
+        if at != len(new):
+            return None
+        body: List[cst.BaseStatement] = []
+        done = 0
+        for sl in slices:
+            body += [s for g in groups[done:sl.start] for s in g]
+            inner = [s for g in groups[sl.start:sl.end] for s in g]
+            inner = self.ctx.drop_removed(inner) or inner
+            leading = inner[0].leading_lines
+            inner[0] = inner[0].with_changes(leading_lines=[])
+            item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
+                                              args=[cst.Arg(sl.model.deep_clone())]))
+            body.append(cst.With(items=[item], body=cst.IndentedBlock(body=inner), leading_lines=leading))
+            done = sl.end
+        body += [s for g in groups[done:] for s in g]
+        return updated.with_changes(body=body)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _optimizer_state(self, expr: cst.BaseExpression) -> bool:
+        if not (isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and
+                expr.func.attr.value == "state_dict"):
+            return False
+        return script_model(self.ctx).kind(expr.func.value) == "optimizer" or \
+            "optim" in (dotted(expr.func.value) or "").lower()
+
+    def _saves_optimizer(self, call: cst.Call) -> bool:
+        """`torch.save({..., 'optimizer': opt.state_dict()}, path)` (a dict display)."""
+        if self.qualify(call.func) != "torch.save" or not call.args or not isinstance(call.args[0].value, cst.Dict):
+            return False
+        elements = call.args[0].value.elements
+        keys = {getattr(e.key, "evaluated_value", None) for e in elements if isinstance(e, cst.DictElement)}
+        return "scaler" not in keys and any(isinstance(e, cst.DictElement) and self._optimizer_state(e.value)
+                                            for e in elements) and "amp" not in self.ctx.names.local
+
+    def _saved_ids(self) -> set:
+        return {id(c) for c in self.saved}
+
+    def _save_scaler(self, updated: cst.Call) -> cst.Call:
+        d = updated.args[0].value
+        elements = list(d.elements)
+        last = elements[-1]
+        comma = last.comma if last.comma is not cst.MaybeSentinel.DEFAULT else None
+        entry = cst.DictElement(key=_string("scaler", d.elements[0].key),
+                                value=_scaler_call(self.plan, "state_dict", []), comma=comma or cst.MaybeSentinel.DEFAULT)
+        elements[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        if comma is not None and not isinstance(comma.whitespace_after, cst.SimpleWhitespace):
+            elements[-1] = last  # one entry per line: keep the layout, the new entry takes the same comma
+        return updated.with_changes(args=[updated.args[0].with_changes(value=d.with_changes(
+            elements=elements + [entry]))] + list(updated.args[1:]))
+
+    def _restores_optimizer(self) -> List[cst.SimpleStatementLine]:
+        """`opt.load_state_dict(checkpoint['optimizer'])` lines: the scaler's state follows."""
+        if "amp" in self.ctx.names.local:
+            return []
+        model = script_model(self.ctx)
+        out = []
+        for call in model.s.index.order:
+            if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and
+                    call.func.attr.value == "load_state_dict" and len(call.args) == 1):
+                continue
+            if not (model.kind(call.func.value) == "optimizer" or "optim" in (dotted(call.func.value) or "").lower()):
+                continue
+            arg = call.args[0].value
+            if isinstance(arg, cst.Subscript) and isinstance(arg.value, cst.Name):
+                line = model.s.line(call)
+                stmt = model.s.statement(call)
+                if isinstance(line, cst.SimpleStatementLine) and isinstance(stmt, cst.Expr) and stmt.value is call:
+                    out.append(line)
+        return out
+
+    def _restore_scaler(self, original: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+        arg = original.body[0].value.args[0].value
+        source = call_method(arg.value.deep_clone(), "get", [cst.Arg(_string("scaler", arg.slice[0].slice.value))])
+        self.report(original, "the scaler's state is restored with the optimizer's (absent from older checkpoints)")
+        return _line(cst.Call(func=runtime_name(self.ctx, "load_scaler_state", self.fixing),
+                              args=[cst.Arg(cst.Name(self.plan.scaler)), cst.Arg(source)]))
+
+
+_APEX_GUARD_HANDLER = (cst.Raise, cst.Pass, cst.Expr)  # `raise ImportError(...)`, `print(...)`, `pass`
+
+
+class ApexAmp(Rule):
+    """
+    ## What it does
+    Finds NVIDIA apex's mixed precision: `from apex import amp`, `amp.initialize`,
+    `amp.scale_loss`, `amp.master_params`, `amp.state_dict`/`load_state_dict`.
+
+    ## Why is this bad?
+    apex's amp is deprecated and unmaintained; a script that imports it runs only where apex
+    was built from source for that CUDA and torch. `torch.amp` does the same job everywhere.
+
+    ## Example
+    ```python
+    from apex import amp
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    ```
+
+    ## Use instead
+    ```python
+    with autocast(model):
+        ...
+    scaler.scale(loss).backward()
+    ```
+    (`--to amp` migrates all of it; the `try: from apex import amp / except ImportError`
+    guard goes too.)
+    """
+
+    code = "GM501"
+    name = "apex-amp"
+    message = "NVIDIA apex's amp is deprecated; use torch.amp (autocast and GradScaler)"
+    fixed_in = frozenset({"amp"})
+    triggers = ("apex",)
+    examples = (
+        Flagged(_HEAD + "from apex import amp\nmodel, opt = amp.initialize(model, opt, opt_level='O1')\n"
+                "for x, y in loader:\n    loss = model(x).sum()\n    with amp.scale_loss(loss, opt) as scaled:\n"
+                "        scaled.backward()\n    opt.step()\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "for x, y in loader:\n    with autocast(model):\n        loss = model(x).sum()\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"),
+        Flagged("try:\n    from apex import amp\nexcept ImportError:\n    raise ImportError('install apex')\n"),
+        Clean("import torch\nscaler = torch.amp.GradScaler()\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.plan = amp_plan(self.ctx)
+        self.uses = [n for n in script_model(self.ctx).s.index.order
+                     if isinstance(n, (cst.Attribute, cst.Name)) and (self.qualify(n) or "").startswith("apex.amp.")]
+
+    def _migrating(self) -> bool:
+        return self.plan.active
+
+    def leave_Try(self, original: cst.Try, updated: cst.Try):
+        """The `try: from apex import amp / except ImportError: raise ...` guard."""
+        body = original.body.body
+        if not body or not all(isinstance(s, cst.SimpleStatementLine) and all(
+                isinstance(i, (cst.Import, cst.ImportFrom)) and _imports_apex(i) for i in s.body) for s in body):
+            return None
+        if original.orelse or original.finalbody or not all(
+                all(isinstance(s, cst.SimpleStatementLine) and all(isinstance(i, _APEX_GUARD_HANDLER) for i in s.body)
+                    for s in h.body.body) for h in original.handlers):
+            return None
+        self.report(original, "the apex import guard goes: mixed precision comes from torch.amp")
+        if not self._migrating():
+            return None
+        return self.ctx.remove_statement(original)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if _imports_apex(node) and not isinstance(script_model(self.ctx).s.parent(
+                script_model(self.ctx).s.parent(script_model(self.ctx).s.parent(node))), cst.Try):
+            self.report(node)
+            if self._migrating() and self.fixing:
+                self.ctx.remove_import("apex", "amp")
+
+    def leave_SimpleStatementLine(self, original, updated):
+        """`model, optimizer = amp.initialize(model, optimizer, ...)`: they are what they were."""
+        if len(original.body) != 1 or not isinstance(original.body[0], cst.Assign):
+            return None
+        assign = original.body[0]
+        call = assign.value
+        if not (isinstance(call, cst.Call) and self.qualify(call.func) == "apex.amp.initialize"):
+            return None
+        self.report(call, "`amp.initialize` goes: autocast casts per operation, the model stays float32")
+        if not self._migrating():
+            return None
+        args = [a.value for a in call.args if a.keyword is None][:2]
+        target = assign.targets[0].target if len(assign.targets) == 1 else None
+        if target is None:
+            return None
+        value: cst.BaseExpression = args[0] if len(args) == 1 else cst.Tuple(
+            elements=[cst.Element(a) for a in args], lpar=[], rpar=[])
+        module = cst.Module(body=[])
+        if module.code_for_node(target).replace("(", "").replace(")", "").replace(" ", "") == \
+                module.code_for_node(value).replace("(", "").replace(")", "").replace(" ", ""):
+            return self.ctx.remove_statement(updated)
+        return updated.with_changes(body=[updated.body[0].with_changes(value=value)])
+
+    def leave_With(self, original: cst.With, updated: cst.With):
+        """`with amp.scale_loss(loss, opt) as scaled: scaled.backward()` ->
+        `scaler.scale(loss).backward()`."""
+        if id(original) not in self.plan.scale_loss_withs:
+            return None
+        self.report(original.items[0].item, "`amp.scale_loss` becomes the GradScaler's `scale`")
+        if not self._migrating():
+            return None
+        call = original.items[0].item
+        loss = call.args[0].value.deep_clone()
+        scaled = _scaler_call(self.plan, "scale", [loss])
+        name = original.items[0].asname.name
+        inner = list(updated.body.body)
+        first = inner[0]
+        if len(inner) == 1 and isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1 and \
+                isinstance(first.body[0], cst.Expr) and isinstance(first.body[0].value, cst.Call) and \
+                isinstance(first.body[0].value.func, cst.Attribute) and \
+                first.body[0].value.func.value.deep_equals(name):
+            backward = first.body[0].value
+            line = first.with_changes(body=[cst.Expr(backward.with_changes(
+                func=backward.func.with_changes(value=scaled)))], leading_lines=updated.leading_lines)
+            return line
+        assign = cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(name.deep_clone())],
+                                                          value=scaled)], leading_lines=updated.leading_lines)
+        return cst.FlattenSentinel([assign, *inner])
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        name = self.qualify(original.func)
+        if name == "apex.amp.master_params":
+            self.report(original, "`amp.master_params(opt)`: the optimizer's own parameters (unscaled first)")
+            if self._migrating():
+                return updated.with_changes(func=runtime_name(self.ctx, "optimizer_params", self.fixing))
+        elif name == "apex.amp.state_dict" and not original.args:
+            self.report(original, "apex's loss-scale state becomes the GradScaler's")
+            if self._migrating():
+                return _scaler_call(self.plan, "state_dict", [])
+        elif name == "apex.amp.load_state_dict" and len(original.args) == 1:
+            self.report(original, "apex's loss-scale state becomes the GradScaler's (apex checkpoints still load)")
+            if self._migrating():
+                return cst.Call(func=runtime_name(self.ctx, "load_scaler_state", self.fixing),
+                                args=[cst.Arg(cst.Name(self.plan.scaler)), updated.args[0].with_changes(
+                                    comma=cst.MaybeSentinel.DEFAULT)])
+        return None
+
+
+def _imports_apex(node: cst.CSTNode) -> bool:
+    if isinstance(node, cst.ImportFrom):
+        module = dotted(node.module) if node.module is not None else None
+        if module == "apex" and not isinstance(node.names, cst.ImportStar):
+            return all(dotted(a.name) == "amp" for a in node.names)
+        return module == "apex.amp"
+    return False
+
+
+class HalfTraining(Rule):
+    """
+    ## What it does
+    Finds training in float16 made by hand: `model.half()` on a model an optimizer trains,
+    and `.half()` on its inputs.
+
+    ## Why is this bad?
+    Pure float16 training underflows small gradients to zero and, with BatchNorm, fails to
+    converge; there is no loss scaling. Autocast runs each operation in the precision that
+    suits it, with float32 weights.
+
+    ## Example
+    ```python
+    model = Net().half()
+    for x, y in loader:
+        loss = crit(model(x.half()), y)
+    ```
+
+    ## Use instead
+    ```python
+    model = Net()
+    for x, y in loader:
+        with autocast(model):
+            loss = crit(model(x), y)
+    ```
+    `--keep-half` keeps pure float16; GM305 then keeps BatchNorm in float32.
+    """
+
+    code = "GM502"
+    name = "half-without-scaling"
+    message = "`.half()` training has no loss scaling and float16 weights; use autocast (--to amp)"
+    fixed_in = frozenset({"amp"})
+    triggers = ("half",)
+    examples = (
+        Flagged(_HEAD + "model.half()\nfor x, y in loader:\n    loss = model(x.half()).sum()\n    loss.backward()\n"
+                "    opt.step()\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "for x, y in loader:\n    with autocast(model):\n        loss = model(x).sum()\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"),
+        Clean("import torch\nx = torch.zeros(2).half()\n"),  # no training: nothing to migrate
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.plan = amp_plan(self.ctx)
+        self.halves = {id(c) for c in self.plan.halves}
+
+    def leave_SimpleStatementLine(self, original, updated):
+        """`model.half()` alone on its line goes, and so does `x = x.half()`."""
+        small = original.body[0] if len(original.body) == 1 else None
+        if isinstance(small, cst.Assign) and len(small.targets) == 1 and id(small.value) in self.halves and \
+                small.targets[0].target.deep_equals(small.value.func.value):
+            self.report(small.value)
+            if self.plan.active:
+                return self.ctx.remove_statement(updated)
+        if isinstance(small, cst.Expr) and id(small.value) in self.halves:
+            self.report(original.body[0].value)
+            if self.plan.active:
+                return self.ctx.remove_statement(updated)
+        return None
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        """`else: x = x.half()` emptied: the `else` goes."""
+        if not (isinstance(original.orelse, cst.Else) and isinstance(updated.orelse, cst.Else) and self.plan.active):
+            return None
+        before, after = original.orelse.body.body, updated.orelse.body.body
+        emptied = len(after) == 1 and m.matches(after[0], m.SimpleStatementLine(body=[m.Pass()])) and \
+            not m.matches(before[0], m.SimpleStatementLine(body=[m.Pass()]))
+        if emptied and not after[0].leading_lines and all(
+                any(id(c) in self.halves for c in script_model(self.ctx).s.inside(stmt, cst.Call)) for stmt in before):
+            return updated.with_changes(orelse=None)
+        return None
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if id(original) not in self.halves:
+            return None
+        stmt = script_model(self.ctx).s.statement(original)
+        if isinstance(stmt, cst.Expr) and stmt.value is original or isinstance(stmt, cst.Assign) and \
+                stmt.value is original and len(stmt.targets) == 1 and stmt.targets[0].target.deep_equals(
+                    original.func.value):
+            return None  # the whole line goes (above)
+        self.report(original)
+        if not self.plan.active:
+            return None
+        receiver = updated.func.value
+        return receiver.with_changes(lpar=updated.lpar or receiver.lpar, rpar=updated.rpar or receiver.rpar) \
+            if isinstance(receiver, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) else receiver
+
+
+class DeprecatedCudaAmp(Rule):
+    """
+    ## What it does
+    Finds `torch.cuda.amp.autocast(...)` and `torch.cuda.amp.GradScaler(...)`.
+
+    ## Why is this bad?
+    Both are deprecated for `torch.amp` (torch warns at every call), and both are CUDA only:
+    on a CPU or a Mac the script silently trains in full precision.
+
+    ## Example
+    ```python
+    scaler = torch.cuda.amp.GradScaler(enabled=args.amp)
+    with torch.cuda.amp.autocast(enabled=args.amp):
+        loss = crit(model(x), y)
+    ```
+
+    ## Use instead
+    ```python
+    scaler = grad_scaler(enabled=args.amp)
+    with autocast(model, enabled=args.amp):
+        loss = crit(model(x), y)
+    ```
+    (from gpumigrate.runtime: the device and dtype are chosen where the script runs.) Calls
+    with other arguments keep them, as `torch.autocast("cuda", ...)` and
+    `torch.amp.GradScaler("cuda", ...)`.
+    """
+
+    code = "GM503"
+    name = "deprecated-cuda-amp"
+    message = "`torch.cuda.amp` is deprecated and CUDA-only; use `torch.amp`"
+    fixed_in = frozenset({"amp"})
+    triggers = ("amp",)
+    examples = (
+        Flagged("import torch\nscaler = torch.cuda.amp.GradScaler(enabled=True)\n",
+                fixed="import torch\nfrom gpumigrate.runtime import grad_scaler\n\n"
+                "scaler = grad_scaler(enabled=True)\n"),
+        Flagged("import torch\nwith torch.cuda.amp.autocast(dtype=torch.bfloat16):\n    y = f(x)\n",
+                fixed="import torch\nwith torch.autocast(\"cuda\", dtype=torch.bfloat16):\n    y = f(x)\n"),
+        Clean("import torch\nwith torch.autocast('cuda'):\n    y = f(x)\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        name = self.qualify(original.func)
+        if name not in ("torch.cuda.amp.autocast", "torch.cuda.amp.GradScaler",
+                        "torch.cuda.amp.autocast_mode.autocast", "torch.cuda.amp.grad_scaler.GradScaler"):
+            return None
+        self.report(original)
+        only_enabled = all(a.keyword is not None and a.keyword.value == "enabled" for a in original.args)
+        model = script_model(self.ctx)
+        kept = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) if i == len(updated.args) - 1 else a
+                for i, a in enumerate(updated.args)]
+        cuda = cst.Arg(cst.SimpleString('"cuda"'))
+        if name.endswith("GradScaler"):
+            if only_enabled:
+                return cst.Call(func=runtime_name(self.ctx, "grad_scaler", self.fixing), args=kept)
+            return cst.Call(func=cst.parse_expression(self._torch("amp.GradScaler")), args=[cuda, *kept])
+        forward = self._forward_in_with(original, model)
+        if only_enabled and forward is not None:
+            return cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
+                            args=[cst.Arg(forward.deep_clone()), *kept])
+        return cst.Call(func=cst.parse_expression(self._torch("autocast")), args=[cuda, *kept])
+
+    def _torch(self, attr: str) -> str:
+        local = self.ctx.names.local_name_for(f"torch.{attr}")
+        if local is not None:
+            return local
+        if self.fixing:
+            self.ctx.add_import("torch")
+        return f"torch.{attr}"
+
+    def _forward_in_with(self, call: cst.Call, model) -> Optional[cst.BaseExpression]:
+        """The trained model the `with` this call opens runs first."""
+        from gpumigrate.codemods.amp_plan import _forward_call
+
+        parent = model.s.parent(call)
+        with_node = model.s.parent(parent) if isinstance(parent, cst.WithItem) else None
+        if not isinstance(with_node, cst.With):
+            return None
+        trained = {t.name for t in model.trained_models if not t.loss_module}
+        for stmt in with_node.body.body:
+            found = _forward_call(amp_plan(self.ctx), stmt, trained)
+            if found is not None:
+                return found
+        return None

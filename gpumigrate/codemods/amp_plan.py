@@ -1,0 +1,337 @@
+"""The amp migration's one decision per file: which statements run under autocast, which
+backward calls and optimizer steps go through the loss scaler, and where its one `update()`
+per iteration goes. Proven or reported: the scaler's edits are all-or-nothing (a step
+through the scaler on gradients that were not scaled would divide them by the scale), so any
+training step the plan cannot place leaves the whole file in full precision, with a review
+item saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Dict, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from gpumigrate.analysis import script_model
+from gpumigrate.analysis.structure import dotted
+from gpumigrate.rewriter.engine import FileContext
+
+_CLIP = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad_norm",
+         "torch.nn.utils.clip_grad.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_value_")
+AUTOCASTS = ("torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast", "torch.cpu.amp.autocast",
+             "torch.cuda.amp.autocast_mode.autocast")
+SCALERS = ("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler")
+APEX_SCALE_LOSS = "apex.amp.scale_loss"
+
+
+@dataclass
+class Slice:
+    """Statements `block.body[start:end]` (of the original tree) run under autocast of `model`."""
+
+    block: cst.CSTNode
+    start: int
+    end: int
+    model: cst.BaseExpression
+
+
+@dataclass
+class AmpPlan:
+    ctx: FileContext
+    active: bool = False  # the scaler edits apply
+    why_not: Optional[str] = None  # training found but left in full precision: the review item
+    slices: List[Slice] = field(default_factory=list)
+    backwards: Set[int] = field(default_factory=set)  # ids of `X.backward()` calls to scale
+    scale_loss_withs: Set[int] = field(default_factory=set)  # apex `with amp.scale_loss(...)`
+    steps: Set[int] = field(default_factory=set)  # ids of `opt.step()` calls
+    update_after: Set[int] = field(default_factory=set)  # ids of statement lines
+    unscale_before: Dict[int, List[str]] = field(default_factory=dict)  # clip line id -> optimizers
+    numpy_after: List[cst.CSTNode] = field(default_factory=list)  # `.numpy()` of autocast values
+    # `model(x).sum().backward()`: line id -> the model; the loss gets a name, computed under autocast
+    inline: Dict[int, cst.BaseExpression] = field(default_factory=dict)
+    loss_name: str = "loss"
+    eval_numpy: List[cst.CSTNode] = field(default_factory=list)  # evaluation kept in full precision
+    halves: List[cst.Call] = field(default_factory=list)  # `.half()` of models and loop inputs: they go
+    scaler: str = "scaler"
+    _defined: bool = False
+
+    @cached_property
+    def model(self):
+        return script_model(self.ctx)
+
+    # -- what the rules write -----------------------------------------------------------
+    def define_scaler(self, fixing: bool) -> None:
+        if not fixing or self._defined:
+            return
+        self._defined = True
+        from gpumigrate.codemods.helpers import runtime_name
+
+        stmt = cst.SimpleStatementLine(body=[cst.Assign(
+            targets=[cst.AssignTarget(cst.Name(self.scaler))],
+            value=cst.Call(func=runtime_name(self.ctx, "grad_scaler")))])
+        self.ctx.add_finisher("amp-scaler", lambda module: _insert_after_setup(module, stmt))
+
+
+def _insert_after_setup(module: cst.Module, stmt: cst.SimpleStatementLine) -> cst.Module:
+    """After the imports, and after the device (or process group) set-up the other
+    migrations put there, so that the set-up reads as one block."""
+    from gpumigrate.codemods.device_plan import _after_imports
+
+    at = _after_imports(module)
+    body = list(module.body)
+    after_setup = False
+    while at < len(body) and isinstance(body[at], cst.SimpleStatementLine) and \
+            any(f"{helper}(" in module.code_for_node(body[at]) for helper in ("get_device", "setup_distributed")):
+        at, after_setup = at + 1, True
+    leading = [] if after_setup or not at else [cst.EmptyLine()]
+    return module.with_changes(body=body[:at] + [stmt.with_changes(leading_lines=leading)] + body[at:])
+
+
+def amp_plan(ctx: FileContext) -> AmpPlan:
+    return ctx.shared("amp-plan", _build)
+
+
+def _build(ctx: FileContext) -> AmpPlan:
+    plan = AmpPlan(ctx)
+    model = plan.model
+    if not model.uses_torch or not model.has_training:
+        return plan
+    if any((ctx.names.qualify(c.func) or "") in AUTOCASTS + SCALERS for c in model.s.index.order
+           if isinstance(c, cst.Call)):
+        return plan  # mixed precision already (GM503 moves torch.cuda.amp to torch.amp)
+    from gpumigrate.codemods.helpers import fresh_name
+
+    try:
+        _find_halves(plan)
+        _plan_training(plan)
+    except _NotProven as reason:
+        plan.why_not = str(reason)
+        plan.slices, plan.backwards, plan.steps, plan.update_after = [], set(), set(), set()
+        plan.unscale_before, plan.scale_loss_withs, plan.inline = {}, set(), {}
+        return plan
+    plan.active = bool(plan.steps)
+    if not plan.active:
+        plan.why_not = "no `optimizer.step()` was found for its `.backward()`"
+        return plan
+    plan.scaler = fresh_name(ctx, "scaler")
+    if plan.inline:
+        plan.loss_name = fresh_name(ctx, "loss")
+    _slice_evaluation(plan)
+    return plan
+
+
+class _NotProven(Exception):
+    """Why the training stays in full precision."""
+
+
+def _plan_training(plan: AmpPlan) -> None:
+    model, s, qualify = plan.model, plan.model.s, plan.ctx.names.qualify
+    trained = {t.name for t in model.trained_models if not t.loss_module}
+    if not trained:
+        raise _NotProven("no model an optimizer trains was found")
+    # backward calls: `X.backward(...)` alone on its line, or apex's `with amp.scale_loss(...) as s`
+    anchors: Dict[int, Tuple[cst.CSTNode, cst.CSTNode]] = {}  # block member id -> (member, block)
+    for call in model.backward_calls:
+        func = call.func
+        if not isinstance(func, cst.Attribute) or func.attr.value != "backward" or \
+                qualify(func) == "torch.autograd.backward":
+            raise _NotProven("`torch.autograd.backward(...)` cannot go through the loss scaler by rule")
+        stmt = s.statement(call)
+        if not isinstance(stmt, cst.Expr) or stmt.value is not call:
+            raise _NotProven("a `.backward()` that is not a statement of its own")
+        member = s.line(call)
+        scale_loss = _apex_scale_loss(plan, member, func.value)
+        if scale_loss is not None:
+            member = scale_loss
+            plan.scale_loss_withs.add(id(scale_loss))
+        else:
+            plan.backwards.add(id(call))
+            inline = _forward_call(plan, func.value, trained)
+            if inline is not None:
+                plan.inline[id(member)] = inline
+                continue
+        anchors[id(member)] = (member, s.block(member))
+    for step in model.step_calls:
+        receiver = step.func.value
+        if "scaler" in (dotted(receiver) or "").lower():
+            raise _NotProven("the script scales its loss already")
+        stmt = s.statement(step)
+        if step.args or not isinstance(stmt, cst.Expr) or stmt.value is not step:
+            raise _NotProven(f"`{dotted(receiver) or 'optimizer'}.step(...)` is not a plain `step()` statement "
+                             "(a closure, or a value used)")
+        plan.steps.add(id(step))
+    _place_updates(plan)
+    _place_unscales(plan, qualify)
+    for member, block in anchors.values():
+        _slice_forward(plan, member, block, trained)
+
+
+def _find_halves(plan: AmpPlan) -> None:
+    """`.half()` of a module, and of anything inside a training or evaluation loop: autocast
+    replaces them. Pure float16 kept by choice (`--keep-half`), or kept because GM502 is not
+    selected, leaves the file as it is: a GradScaler refuses float16 gradients."""
+    model, s = plan.model, plan.model.s
+    loops = [*model.training_loops_list, *(c.node for l in model.loaders for c in l.consumers
+                                           if isinstance(c.node, (cst.For, cst.While)))]
+    loop_ids = {id(loop) for loop in loops}
+    for call in s.index.order:
+        if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and
+                call.func.attr.value == "half" and not call.args):
+            continue
+        if model.module_like(call.func.value) or any(
+                id(a) in loop_ids or isinstance(a, (cst.For, cst.While)) and model.trains(a) for a in s.ancestors(call)):
+            plan.halves.append(call)
+    if not any(model.module_like(c.func.value) for c in plan.halves):
+        return
+    if plan.ctx.options.get("keep_half"):
+        raise _NotProven("the model trains in pure float16 (`.half()`), kept as asked (--keep-half)")
+    if "GM502" not in plan.ctx.fixing:
+        raise _NotProven("the model trains in pure float16 (`.half()`) and GM502 is not selected")
+
+
+def _apex_scale_loss(plan: AmpPlan, member: cst.CSTNode, receiver: cst.BaseExpression) -> Optional[cst.With]:
+    """`with amp.scale_loss(loss, opt) as scaled: scaled.backward()`: the With."""
+    current: Optional[cst.CSTNode] = member
+    while current is not None and not isinstance(current, cst.With):
+        current = plan.model.s.parent(current)
+    if not isinstance(current, cst.With) or len(current.items) != 1:
+        return None
+    item = current.items[0]
+    if isinstance(item.item, cst.Call) and plan.ctx.names.qualify(item.item.func) == APEX_SCALE_LOSS and \
+            item.asname is not None and dotted(item.asname.name) == dotted(receiver):
+        return current
+    return None
+
+
+def _loop_or_function(plan: AmpPlan, node: cst.CSTNode) -> Optional[cst.CSTNode]:
+    for a in plan.model.s.ancestors(node):
+        if isinstance(a, (cst.For, cst.While, cst.FunctionDef)):
+            return a
+    return None
+
+
+def _place_updates(plan: AmpPlan) -> None:
+    """One `scaler.update()` per iteration: after the last step of each loop (or function
+    body), when every step there is in one block; else not proven."""
+    s = plan.model.s
+    groups: Dict[int, List[cst.Call]] = {}
+    for step in plan.model.step_calls:
+        groups.setdefault(id(_loop_or_function(plan, step)), []).append(step)
+    for steps in groups.values():
+        lines = [s.line(c) for c in steps]
+        blocks = {id(s.block(line)) for line in lines}
+        if len(blocks) != 1:
+            names = ", ".join(sorted({dotted(c.func.value) or "?" for c in steps}))
+            raise _NotProven(f"the steps of {names} are in different blocks: where one `scaler.update()` per "
+                             "iteration goes is a decision to make by hand")
+        last = max(lines, key=s.order)
+        plan.update_after.add(id(last))
+
+
+def _place_unscales(plan: AmpPlan, qualify) -> None:
+    """`scaler.unscale_(opt)` before gradient clipping, for the optimizer that steps next."""
+    s = plan.model.s
+    steps = sorted(plan.model.step_calls, key=s.order)
+    unscaled: Set[Tuple[int, str]] = set()
+    for node in s.index.order:
+        if not isinstance(node, cst.Call):
+            continue
+        name = qualify(node.func) or ""
+        master = any(qualify(c.func) == "apex.amp.master_params" for c in s.inside(node, cst.Call))
+        if name not in _CLIP and not master:
+            continue
+        line = s.line(node)
+        home = _loop_or_function(plan, node)
+        after = [c for c in steps if s.order(c) > s.order(node) and _loop_or_function(plan, c) is home]
+        if not after:
+            raise _NotProven("gradient clipping with no optimizer step after it in the same iteration")
+        opt = dotted(after[0].func.value)
+        if opt is None:
+            raise _NotProven("gradient clipping before a step of an optimizer without a name")
+        if (id(home), opt) in unscaled:
+            continue  # unscale_ once per optimizer and step
+        unscaled.add((id(home), opt))
+        plan.unscale_before.setdefault(id(line), []).append(opt)
+
+
+def _forward_call(plan: AmpPlan, stmt: cst.CSTNode, trained: Set[str], depth: int = 0) -> Optional[cst.BaseExpression]:
+    """The trained model a statement runs (directly, or through a function of this file)."""
+    s = plan.model.s
+    for call in s.inside(stmt, cst.Call):
+        name = dotted(call.func)
+        if name in trained:
+            return call.func
+        if name is not None and name.endswith(".forward") and name[: -len(".forward")] in trained:
+            return call.func.value
+        target = s.callee(call)
+        if target is not None and depth < 3 and _forward_call(plan, target.node, trained, depth + 1) is not None:
+            model = next((a.value for a in call.args if dotted(a.value) in trained), None)
+            if model is not None:
+                return model
+    return None
+
+
+def _slice_forward(plan: AmpPlan, member: cst.CSTNode, block: cst.CSTNode, trained: Set[str]) -> None:
+    """Autocast from the first statement before `member` that runs a trained model (in its
+    block, or an enclosing one up to the loop) to just before `member`."""
+    s = plan.model.s
+    while True:
+        body = list(block.body)
+        k = next(i for i, b in enumerate(body) if b is member)
+        taken = max([sl.end for sl in plan.slices if sl.block is block and sl.end <= k], default=0)
+        for i in range(taken, k):
+            found = _forward_call(plan, body[i], trained)
+            if found is not None:
+                end = k
+                while end - 1 > i and _inert(body[end - 1]) and _forward_call(plan, body[end - 1], trained) is None:
+                    end -= 1  # `optimizer.zero_grad()`, `print(...)`: nothing autocast changes
+                plan.slices.append(Slice(block, i, end, found))
+                _check_numpy(plan, body[k + 1:])
+                return
+        parent = s.parent(block)
+        if not isinstance(parent, (cst.If, cst.Else, cst.With, cst.Try)) or isinstance(parent, cst.With) and \
+                id(parent) in plan.scale_loss_withs:
+            break
+        while parent is not None and not (s.block(parent) is not None and isinstance(
+                parent, cst.BaseCompoundStatement)):
+            parent = s.parent(parent)
+        if parent is None:
+            break
+        member, block = parent, s.block(parent)
+    raise _NotProven("no forward pass of the trained model before its `.backward()` in the same block")
+
+
+def _inert(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(small, cst.Expr) for small in stmt.body)
+
+
+def _check_numpy(plan: AmpPlan, rest: List[cst.CSTNode]) -> None:
+    for stmt in rest:
+        for call in plan.model.s.inside(stmt, cst.Call):
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value == "numpy":
+                plan.numpy_after.append(call)
+
+
+def _slice_evaluation(plan: AmpPlan) -> None:
+    """Evaluation loops run their forward pass, and what follows it in the loop body, under
+    autocast (no scaler: nothing is backpropagated). A loop that turns results into NumPy
+    arrays is left in full precision (bfloat16 has no NumPy dtype) and reported."""
+    model = plan.model
+    trained = {t.name for t in model.trained_models if not t.loss_module}
+    for loader in model.loaders:
+        for c in loader.consumers:
+            loop = c.node
+            if c.trains or not isinstance(loop, cst.For) or not isinstance(loop.body, cst.IndentedBlock) or \
+                    model.trains(loop):
+                continue
+            body = list(loop.body.body)
+            start = next((i for i, stmt in enumerate(body) if _forward_call(plan, stmt, trained) is not None), None)
+            if start is None or any(sl.block is loop.body for sl in plan.slices):
+                continue
+            numpy = [call for stmt in body[start:] for call in model.s.inside(stmt, cst.Call)
+                     if isinstance(call.func, cst.Attribute) and call.func.attr.value == "numpy"]
+            if numpy:
+                plan.eval_numpy.extend(numpy)
+                continue
+            plan.slices.append(Slice(loop.body, start, len(body), _forward_call(plan, body[start], trained)))

@@ -1,0 +1,171 @@
+"""The amp migration's decisions: what it edits, and where it keeps full precision and says why."""
+
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from gpumigrate.cli import main
+from gpumigrate.targets import TargetError, parse_target, target_bases
+from tests.conftest import migrate
+
+HEAD = """\
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+
+def amp(code: str, target: str = "amp", options=None):
+    source = HEAD + textwrap.dedent(code)
+    result = migrate(source.encode(), target, options=options)
+    assert result.error is None, result.error
+    out = (result.new_source or result.source).decode()
+    compile(out, "x.py", "exec")
+    again = migrate(out.encode(), target, options=options)
+    assert again.error is None and again.new_source is None, "not idempotent"
+    return out, [f.message for f in result.findings if f.review]
+
+
+def test_gradient_accumulation_updates_only_where_it_steps():
+    out, reviews = amp("""\
+        for i, (x, y) in enumerate(loader):
+            loss = ((model(x) - y) ** 2).mean() / 4
+            loss.backward()
+            if (i + 1) % 4 == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+        """)
+    assert not reviews
+    assert "    if (i + 1) % 4 == 0:\n        scaler.unscale_(opt)\n        torch.nn.utils.clip_grad_norm_" in out
+    assert "        scaler.step(opt)\n        scaler.update()\n        opt.zero_grad()" in out
+    exec(compile(out, "x.py", "exec"), {})  # it runs (bfloat16, scaler off)
+
+
+def test_steps_in_different_branches_keep_full_precision_and_say_why():
+    out, reviews = amp("""\
+        critic = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(loader):
+            model(x).sum().backward()
+            critic.step()
+            if i % 5 == 0:
+                opt.step()
+        """)
+    assert "autocast" not in out and "scaler" not in out
+    assert any("different blocks" in r for r in reviews)
+
+
+@pytest.mark.parametrize("code, why", [
+    ("for x, y in loader:\n    loss = model(x).sum()\n    loss.backward()\n    opt.step(lambda: loss)\n", "closure"),
+    ("for x, y in loader:\n    torch.autograd.backward(model(x).sum())\n    opt.step()\n", "autograd.backward"),
+    ("for x, y in loader:\n    loss = model(x).sum()\n    loss.backward()\n", "no `optimizer.step()`"),
+])
+def test_steps_the_scaler_cannot_take_are_reported(code, why):
+    out, reviews = amp(code)
+    assert "scaler" not in out
+    assert any(why in r for r in reviews), reviews
+
+
+def test_keep_half_keeps_pure_float16_with_the_batchnorm_guard():
+    code = """\
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        net.half()
+        o = torch.optim.SGD(net.parameters(), lr=0.1)
+        for x, y in loader:
+            net(x.half()).sum().backward()
+            o.step()
+        """
+    out, reviews = amp(code, options={"keep_half": True})
+    assert "net.half()\nkeep_batchnorm_fp32(net)" in out and "x.half()" in out and "scaler" not in out
+    assert any("--keep-half" in r for r in reviews)
+    out, reviews = amp(code)
+    assert ".half()" not in out and "keep_batchnorm_fp32" not in out and "with autocast(net):" in out
+
+
+def test_evaluation_that_makes_numpy_arrays_stays_in_full_precision():
+    out, reviews = amp("""\
+        for x, y in loader:
+            model(x).sum().backward()
+            opt.step()
+        with torch.no_grad():
+            for x, y in loader:
+                pred = model(x)
+                print(pred.numpy())
+        """)
+    assert out.count("with autocast(model):") == 1
+    assert any("NumPy" in r for r in reviews)
+
+
+def test_evaluation_runs_under_autocast():
+    out, _ = amp("""\
+        for x, y in loader:
+            model(x).sum().backward()
+            opt.step()
+        with torch.no_grad():
+            for x, y in loader:
+                pred = model(x)
+                print(pred.sum().item())
+        """)
+    assert "        with autocast(model):\n            pred = model(x)\n            print(pred.sum().item())" in out
+
+
+def test_a_script_already_on_torch_amp_is_left_alone():
+    out, reviews = amp("""\
+        scaler = torch.amp.GradScaler("cuda")
+        for x, y in loader:
+            with torch.autocast("cuda"):
+                loss = model(x).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        """)
+    assert out == HEAD + textwrap.dedent("""\
+        scaler = torch.amp.GradScaler("cuda")
+        for x, y in loader:
+            with torch.autocast("cuda"):
+                loss = model(x).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        """)
+    assert not reviews
+
+
+def test_a_scaler_name_the_script_uses_is_not_taken():
+    out, _ = amp("scaler = 'minmax'\nfor x, y in loader:\n    model(x).sum().backward()\n    opt.step()\n")
+    assert "scaler2 = grad_scaler()" in out and "scaler2.step(opt)" in out and "scaler = 'minmax'" in out
+
+
+@pytest.mark.parametrize("text, canonical", [("amp", "amp"), ("amp,ddp", "ddp,amp"), (" ddp , amp ", "ddp,amp"),
+                                             ("device,amp,amp", "device,amp")])
+def test_target_lists_have_one_canonical_order(text, canonical):
+    assert parse_target(text) == canonical
+    assert target_bases("ddp,amp") == ("device", "ddp", "amp") and target_bases("amp") == ("device", "amp")
+
+
+@pytest.mark.parametrize("text", ["", "amp,", "fp16", "ddp,cuda"])
+def test_bad_target_lists_are_refused(text):
+    with pytest.raises(TargetError):
+        parse_target(text)
+
+
+def test_cli_takes_a_target_list_and_the_config_too(tmp_path):
+    script = tmp_path / "train.py"
+    source = HEAD + "for x, y in loader:\n    model(x).sum().backward()\n    opt.step()\n"
+    script.write_text(source)
+    runner = CliRunner()
+    done = runner.invoke(main, [str(script), "--to", "amp,ddp", "--diff"], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    assert "+    scaler.step(opt)" in done.output and "wrap_model" in done.output
+    bad = runner.invoke(main, [str(script), "--to", "ddp,fp16", "--diff"])
+    assert bad.exit_code == 2 and "unknown target 'fp16'" in bad.output
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate]\ntarget = "amp, ddp"\n')
+    done = runner.invoke(main, [str(script), "--diff"], catch_exceptions=False)
+    assert "+    scaler.step(opt)" in done.output and "wrap_model" in done.output
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate]\ntarget = "amp,tpu"\n')
+    done = runner.invoke(main, [str(script), "--diff"])
+    assert done.exit_code == 2 and "unknown target 'tpu'" in done.output
+    assert script.read_text() == source
