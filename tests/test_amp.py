@@ -169,3 +169,22 @@ def test_cli_takes_a_target_list_and_the_config_too(tmp_path):
     done = runner.invoke(main, [str(script), "--diff"])
     assert done.exit_code == 2 and "unknown target 'tpu'" in done.output
     assert script.read_text() == source
+
+
+def test_lint_fix_leaves_apex_and_half_to_the_amp_migration(tmp_path):
+    """`lint --fix` has no scaler to move them to: a half-made migration would not run."""
+    script = tmp_path / "train.py"
+    source = ("import torch\nfrom apex import amp\nmodel = torch.nn.Linear(4, 1)\n"
+              "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              "model, opt = amp.initialize(model, opt, opt_level='O1')\nfor x, y in loader:\n"
+              "    loss = model(x.half()).sum()\n    with amp.scale_loss(loss, opt) as scaled:\n"
+              "        scaled.backward()\n    opt.step()\n    torch.save({'model': model.state_dict()}, 'm.pt')\n")
+    script.write_text(source)
+    done = CliRunner().invoke(main, ["lint", str(script), "--fix"])
+    assert script.read_text() == source, "lint --fix made part of a migration"
+    assert "GM501 `amp.scale_loss` becomes the GradScaler's `scale` (`gpumigrate --to amp` migrates it)" in done.output
+    assert "GM502" in done.output
+    done = CliRunner().invoke(main, [str(script), "--to", "ddp,amp", "--diff"])
+    added = [line for line in done.output.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    assert "+        torch.save({'model': unwrap_model(model).state_dict()}, 'm.pt')" in added
+    assert "+    scaler.scale(loss).backward()" in added and not [line for line in added if "amp." in line]

@@ -286,10 +286,22 @@ class AmpSetup(Rule):
                               args=[cst.Arg(cst.Name(self.plan.scaler)), cst.Arg(source)]))
 
 
+class _MigratedByAmp(Rule):
+    """A rule whose fix is part of the amp migration (the scaler and autocast around it)."""
+
+    plan: AmpPlan
+
+    def report(self, node: cst.CSTNode, message: Optional[str] = None, **kwargs) -> None:
+        if self.fixing and not self.plan.applies:  # `lint --fix`: only `--to amp` migrates it
+            kwargs["review"] = True
+            message = f"{message or self.message} (`gpumigrate --to amp` migrates it)"
+        super().report(node, message, **kwargs)
+
+
 _APEX_GUARD_HANDLER = (cst.Raise, cst.Pass, cst.Expr)  # `raise ImportError(...)`, `print(...)`, `pass`
 
 
-class ApexAmp(Rule):
+class ApexAmp(_MigratedByAmp):
     """
     ## What it does
     Finds NVIDIA apex's mixed precision: `from apex import amp`, `amp.initialize`,
@@ -340,7 +352,7 @@ class ApexAmp(Rule):
                      if isinstance(n, (cst.Attribute, cst.Name)) and (self.qualify(n) or "").startswith("apex.amp.")]
 
     def _migrating(self) -> bool:
-        return self.plan.active
+        return self.plan.applies
 
     def leave_Try(self, original: cst.Try, updated: cst.Try):
         """The `try: from apex import amp / except ImportError: raise ...` guard."""
@@ -441,7 +453,7 @@ def _imports_apex(node: cst.CSTNode) -> bool:
     return False
 
 
-class HalfTraining(Rule):
+class HalfTraining(_MigratedByAmp):
     """
     ## What it does
     Finds training in float16 made by hand: `model.half()` on a model an optimizer trains,
@@ -494,17 +506,17 @@ class HalfTraining(Rule):
         if isinstance(small, cst.Assign) and len(small.targets) == 1 and id(small.value) in self.halves and \
                 small.targets[0].target.deep_equals(small.value.func.value):
             self.report(small.value)
-            if self.plan.active:
+            if self.plan.applies:
                 return self.ctx.remove_statement(updated)
         if isinstance(small, cst.Expr) and id(small.value) in self.halves:
             self.report(original.body[0].value)
-            if self.plan.active:
+            if self.plan.applies:
                 return self.ctx.remove_statement(updated)
         return None
 
     def leave_If(self, original: cst.If, updated: cst.If):
         """`else: x = x.half()` emptied: the `else` goes."""
-        if not (isinstance(original.orelse, cst.Else) and isinstance(updated.orelse, cst.Else) and self.plan.active):
+        if not (isinstance(original.orelse, cst.Else) and isinstance(updated.orelse, cst.Else) and self.plan.applies):
             return None
         before, after = original.orelse.body.body, updated.orelse.body.body
         emptied = len(after) == 1 and m.matches(after[0], m.SimpleStatementLine(body=[m.Pass()])) and \
@@ -523,7 +535,7 @@ class HalfTraining(Rule):
                     original.func.value):
             return None  # the whole line goes (above)
         self.report(original)
-        if not self.plan.active:
+        if not self.plan.applies:
             return None
         receiver = updated.func.value
         return receiver.with_changes(lpar=updated.lpar or receiver.lpar, rpar=updated.rpar or receiver.rpar) \

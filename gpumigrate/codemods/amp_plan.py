@@ -56,6 +56,12 @@ class AmpPlan:
     scaler: str = "scaler"
     _defined: bool = False
 
+    @property
+    def applies(self) -> bool:
+        """The migration is made: `--to amp` (GM500 fixing). `lint --fix` alone cannot move a
+        script to the scaler, so apex and `.half()` stay there (listed for `--to amp`)."""
+        return self.active and "GM500" in self.ctx.fixing
+
     @cached_property
     def model(self):
         return script_model(self.ctx)

@@ -905,7 +905,7 @@ class WrappedAttribute(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = ddp_plan(self.ctx)
-        if self.fixing:
+        if self.fixing and "GM400" in self.ctx.fixing:  # --to ddp wraps the models (not `lint --fix`)
             self.wrapped = self.plan.wrapped_reference
             return
         wrappers = DATA_PARALLEL + DDP_CLASSES

@@ -522,7 +522,7 @@ class HalfBatchNorm(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         # --to amp replaces `.half()` training by autocast (GM502): no float16 BatchNorm to guard
-        self.active = "BatchNorm" in self.ctx.text and not ("GM502" in self.ctx.fixing and amp_plan(self.ctx).active)
+        self.active = "BatchNorm" in self.ctx.text and not ("GM502" in self.ctx.fixing and amp_plan(self.ctx).applies)
         self.flagged: Set[int] = set()  # id(line): conversions to report
         self.guard_after: dict = {}  # id(line) -> the name to guard after it
         if self.active:
