@@ -264,3 +264,11 @@ def test_a_model_passed_through_mutually_recursive_helpers_is_found_in_one_walk(
     out, _ = ddp("model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
                  + helpers + "h0(model, 1)\n")
     assert "torch.save(unwrap_model(m).state_dict(), 'm.pt')" in out
+
+
+def test_a_script_joining_the_group_itself_does_so_only_where_setup_did_not():
+    out, _ = ddp("import torch.distributed as dist\nimport os\n"
+                 "if int(os.environ.get('WORLD_SIZE', 1)) > 1:\n"
+                 "    dist.init_process_group(backend='nccl', init_method='env://')\n"
+                 "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN)
+    assert "    if not dist.is_initialized():\n        dist.init_process_group(backend='nccl'" in out

@@ -123,6 +123,22 @@ def test_keep_batchnorm_fp32_on_a_half_model(rt):
     assert model(x).dtype == torch.float16
 
 
+def test_sync_batchnorm_becomes_per_process_batchnorm_on_the_cpu(rt):
+    """DDP takes SyncBatchNorm on GPU modules only: on CPUs wrap_model keeps BatchNorm per
+    process, with the very parameters an optimizer built before holds."""
+    from torch import nn
+
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    weight = model[1].weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = internals(rt)._per_process_batchnorm(model)
+    assert plain is model and not isinstance(model[1], nn.SyncBatchNorm)
+    assert model[1].weight is weight and model[1].running_mean.shape == (4,)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(weight, torch.ones(4)) and model[1].num_batches_tracked == 1
+
+
 @pytest.mark.parametrize("device, env, dtype", [
     ("cpu", None, torch.bfloat16), ("cuda", None, torch.float16), ("cuda:1", None, torch.float16),
     ("mps", None, torch.float16), ("cpu", "fp16", torch.float16), ("cuda", "off", None),

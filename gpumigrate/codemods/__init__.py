@@ -18,6 +18,7 @@ from gpumigrate.codemods.device import (
     RuntimeImport,
 )
 from gpumigrate.codemods.distributed import (
+    ApexParallel,
     BatchNormWithoutSync,
     CheckpointEveryRank,
     CollectiveInRankBranch,
@@ -87,6 +88,7 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     WrappedAttribute,
     RankZeroOutput,
     PerRankValue,
+    ApexParallel,
     AmpSetup,
     ApexAmp,
     HalfTraining,

@@ -190,6 +190,9 @@ class DdpSetup(Rule):
     def leave_SimpleStatementLine(self, original, updated):
         if not self.plan.active:
             return None
+        own_init = self._own_init(original, updated)
+        if own_init is not None:
+            return own_init
         before = [(small, self.wraps[id(small)]) for small in original.body if id(small) in self.wraps]
         if not before:
             return None
@@ -197,6 +200,27 @@ class DdpSetup(Rule):
         self._report(original, wraps)
         position = list(original.body).index(small)
         return cst.FlattenSentinel(split_line(updated, updated.body[position], self._wrap_statements(wraps)))
+
+    def _own_init(self, original, updated) -> Optional[cst.If]:
+        """A script that joins the process group itself (`dist.init_process_group(...)`):
+        setup_distributed() has joined it already under torchrun, and a second init raises.
+        The script's own call stays for launches setup_distributed() does not know."""
+        if len(original.body) != 1 or not m.matches(original.body[0], m.Expr(m.Call(func=m.Attribute()))):
+            return None
+        call = original.body[0].value
+        if self.qualify(call.func) != "torch.distributed.init_process_group":
+            return None
+        s = script_model(self.ctx).s
+        guard = s.parent(s.parent(original))
+        if isinstance(guard, cst.If) and any(isinstance(c, cst.Call) and self.qualify(c.func) ==
+                                             "torch.distributed.is_initialized" for c in s.inside(guard.test, cst.Call)):
+            return None  # guarded already (an earlier run, or the script's own care)
+        self.report(call, "the script's own `init_process_group` runs only where setup_distributed() did not join "
+                          "the group (a second init raises)")
+        test = cst.UnaryOperation(operator=cst.Not(), expression=cst.Call(func=cst.Attribute(
+            value=updated.body[0].value.func.value, attr=cst.Name("is_initialized"))))
+        return cst.If(test=test, body=cst.IndentedBlock(body=[updated.with_changes(leading_lines=[])]),
+                      leading_lines=updated.leading_lines)
 
     def _report(self, where, wraps) -> None:
         for wrap in wraps:
@@ -1096,3 +1120,83 @@ class PerRankValue(Rule):
             return None
         self.report(original.value)
         return updated.with_changes(value=_call(self.ctx, "broadcast_object", [cst.Arg(updated.value)], self.fixing))
+
+
+_APEX_PARALLEL = {
+    "apex.parallel.DistributedDataParallel": "wrap_model",
+    "apex.parallel.distributed.DistributedDataParallel": "wrap_model",
+    "apex.parallel.convert_syncbn_model": "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
+    "apex.parallel.SyncBatchNorm": "torch.nn.SyncBatchNorm",
+}
+# apex DDP's own tuning knobs: torch's DDP buckets and overlaps its all-reduces by itself
+_APEX_DDP_ONLY = frozenset({"delay_allreduce", "message_size", "allreduce_trigger_params", "shared_param",
+                            "retain_allreduce_buffers", "allreduce_always_fp32", "num_allreduce_streams",
+                            "allreduce_communicators", "gradient_average", "gradient_predivide_factor",
+                            "prof"})
+
+
+class ApexParallel(Rule):
+    """
+    ## What it does
+    Finds NVIDIA apex's `apex.parallel.DistributedDataParallel`, `convert_syncbn_model` and
+    `SyncBatchNorm`.
+
+    ## Why is this bad?
+    apex is unmaintained and must be built from source for each CUDA and torch; torch has had
+    the same classes since 1.1, and they run on CPUs (gloo) too.
+
+    ## Example
+    ```python
+    from apex.parallel import DistributedDataParallel as DDP, convert_syncbn_model
+    model = convert_syncbn_model(model)
+    model = DDP(model, delay_allreduce=True)
+    ```
+
+    ## Use instead
+    ```python
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = wrap_model(model)  # from gpumigrate.runtime: torch's DistributedDataParallel
+    ```
+    apex-only tuning arguments (`delay_allreduce`, `message_size`, ...) go: torch's DDP
+    buckets gradients and overlaps their all-reduce with backward by itself. On CPUs (gloo)
+    `wrap_model` keeps BatchNorm per process, as DDP takes SyncBatchNorm on GPUs only.
+    """
+
+    code = "GM412"
+    name = "apex-parallel"
+    message = "apex.parallel is unmaintained; torch.nn has DistributedDataParallel and SyncBatchNorm"
+    fixed_in = frozenset({"ddp", "amp"})  # amp: a migrated apex script needs no apex at all
+    triggers = ("apex",)
+    examples = (
+        Flagged("import torch\nfrom apex.parallel import DistributedDataParallel as DDP\n"
+                "model = DDP(net, delay_allreduce=True)\n",
+                fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\nmodel = wrap_model(net)\n"),
+        Flagged("import torch\nimport apex\nmodel = apex.parallel.convert_syncbn_model(net)\n",
+                fixed="import torch\nmodel = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)\n"),
+        Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net)\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        name = self.qualify(original.func)
+        if name not in _APEX_PARALLEL:
+            return None
+        dropped = [a.keyword.value for a in original.args if a.keyword is not None and a.keyword.value in _APEX_DDP_ONLY]
+        why = f" (apex-only {', '.join(dropped)} dropped: torch's DDP overlaps its all-reduces itself)" if dropped else ""
+        self.report(original, f"{self.message}{why}")
+        if self.fixing:
+            self.ctx.add_import("torch")
+            module = dotted(original.func) or ""
+            if isinstance(original.func, cst.Name):
+                imported = next(q for local, q in self.ctx.names.local.items() if local == original.func.value)
+                module_name, obj = imported.rsplit(".", 1)
+                self.ctx.remove_import(module_name, obj, original.func.value if obj != original.func.value else None)
+            elif module.startswith("apex."):
+                self.ctx.remove_import("apex")
+        kept = [a for a in updated.args if a.keyword is None or a.keyword.value not in _APEX_DDP_ONLY]
+        if kept:
+            kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        target = _APEX_PARALLEL[name]
+        if target == "wrap_model":
+            module = get_arg(updated, "module", 0)
+            return _call(self.ctx, "wrap_model", [cst.Arg(module.value)] if module is not None else [], self.fixing)
+        return updated.with_changes(func=cst.parse_expression(target), args=kept)

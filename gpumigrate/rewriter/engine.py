@@ -203,7 +203,7 @@ class FileContext:
         self.names = names
         self.reports: List[_Report] = []
         self.imports_to_add: List[Tuple[str, Optional[str], Optional[str]]] = []
-        self.imports_to_remove: List[Tuple[str, Optional[str]]] = []
+        self.imports_to_remove: List[Tuple[str, Optional[str], Optional[str]]] = []
         self.finishers: List[Callable[[cst.Module], cst.Module]] = []
         self.fixing: Set[str] = set()
         self._cache: Dict[Any, Any] = {}
@@ -304,9 +304,9 @@ class FileContext:
         if (module, name, asname) not in self.imports_to_add:
             self.imports_to_add.append((module, name, asname))
 
-    def remove_import(self, module: str, name: Optional[str] = None) -> None:
-        if (module, name) not in self.imports_to_remove:
-            self.imports_to_remove.append((module, name))
+    def remove_import(self, module: str, name: Optional[str] = None, asname: Optional[str] = None) -> None:
+        if (module, name, asname) not in self.imports_to_remove:
+            self.imports_to_remove.append((module, name, asname))
 
     def remove_statement(self, stmt: cst.BaseStatement) -> cst.SimpleStatementLine:
         """Remove a statement but keep the blank lines and comments above it: it becomes a
@@ -594,8 +594,8 @@ def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
     # whose fixes asked for an import edit.
     if ctx.imports_to_remove:
         codemod_ctx = CodemodContext()
-        for mod, name in ctx.imports_to_remove:
-            RemoveImportsVisitor.remove_unused_import(codemod_ctx, mod, name)
+        for mod, name, asname in ctx.imports_to_remove:
+            RemoveImportsVisitor.remove_unused_import(codemod_ctx, mod, name, asname)
         module = _transform_in_place(RemoveImportsVisitor(codemod_ctx), module)
     if ctx.imports_to_add:
         codemod_ctx = CodemodContext()

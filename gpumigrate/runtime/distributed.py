@@ -211,9 +211,11 @@ def wrap_model(
     if not any(p.requires_grad for p in model.parameters()):
         return model  # nothing to synchronise (DDP refuses such a module)
     devices = {p.device for p in model.parameters()}
-    if sync_batchnorm and all(d.type == "cuda" for d in devices):
-        # SyncBatchNorm works on GPU modules only; on CPU (gloo) BatchNorm stays per process
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if all(d.type == "cuda" for d in devices):
+        if sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    else:  # DDP takes SyncBatchNorm on GPU modules only: on CPU (gloo) BatchNorm stays per process
+        model = _per_process_batchnorm(model)
     device_ids = None
     if len(devices) == 1:
         (only,) = devices
@@ -222,6 +224,30 @@ def wrap_model(
     return nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, find_unused_parameters=find_unused_parameters
     )
+
+
+class _BatchNormAnyDim(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm for inputs of any rank (what a SyncBatchNorm stood for)."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def _per_process_batchnorm(module: nn.Module) -> nn.Module:
+    """`module` with each SyncBatchNorm replaced by a plain BatchNorm holding the same
+    parameters and buffers (an optimizer built before keeps training them)."""
+    if isinstance(module, nn.SyncBatchNorm):
+        plain = _BatchNormAnyDim(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        plain._parameters, plain._buffers = module._parameters, module._buffers
+        plain.training = module.training
+        return plain
+    for name, child in module.named_children():
+        replaced = _per_process_batchnorm(child)
+        if replaced is not child:
+            setattr(module, name, replaced)
+    return module
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
