@@ -188,3 +188,28 @@ def test_lint_fix_leaves_apex_and_half_to_the_amp_migration(tmp_path):
     added = [line for line in done.output.splitlines() if line.startswith("+") and not line.startswith("+++")]
     assert "+        torch.save({'model': unwrap_model(model).state_dict()}, 'm.pt')" in added
     assert "+    scaler.scale(loss).backward()" in added and not [line for line in added if "amp." in line]
+
+
+def test_a_trainer_class_computing_its_loss_in_a_method_is_autocast():
+    out, reviews = amp("""\
+        class Trainer:
+            def __init__(self):
+                self.model = torch.nn.Linear(4, 1)
+                self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+            def compute_loss(self, x, y):
+                return ((self.model(x) - y) ** 2).mean()
+
+            def fit(self):
+                for x, y in loader:
+                    self.opt.zero_grad()
+                    loss = self.compute_loss(x, y)
+                    loss.backward()
+                    self.opt.step()
+
+        Trainer().fit()
+        """)
+    assert not reviews
+    assert ("            with autocast(self.model):\n                loss = self.compute_loss(x, y)\n"
+            "            scaler.scale(loss).backward()\n            scaler.step(self.opt)\n            scaler.update()") in out
+    exec(compile(out, "x.py", "exec"), {})

@@ -271,10 +271,14 @@ def _forward_call(plan: AmpPlan, stmt: cst.CSTNode, trained: Set[str], depth: in
         if name is not None and name.endswith(".forward") and name[: -len(".forward")] in trained:
             return call.func.value
         target = s.callee(call)
-        if target is not None and depth < 3 and _forward_call(plan, target.node, trained, depth + 1) is not None:
+        inner = _forward_call(plan, target.node, trained, depth + 1) if target is not None and depth < 3 else None
+        if inner is not None:
             model = next((a.value for a in call.args if dotted(a.value) in trained), None)
             if model is not None:
                 return model
+            # `self.compute_loss(batch)` running `self.model`: the same object here
+            if (dotted(call.func) or "").startswith("self.") and (dotted(inner) or "").startswith("self."):
+                return inner
     return None
 
 
