@@ -213,3 +213,26 @@ def test_a_trainer_class_computing_its_loss_in_a_method_is_autocast():
     assert ("            with autocast(self.model):\n                loss = self.compute_loss(x, y)\n"
             "            scaler.scale(loss).backward()\n            scaler.step(self.opt)\n            scaler.update()") in out
     exec(compile(out, "x.py", "exec"), {})
+
+
+def test_clipping_in_both_branches_unscales_in_both(monkeypatch):
+    """Each path to the step unscales once: a clip left with scaled gradients clips at
+    thousands of times the intended norm (found in real ViT and BERT scripts)."""
+    out, reviews = amp("""\
+        fp16 = True
+        for x, y in loader:
+            model(x).sum().backward()
+            if fp16:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 5.0)
+            opt.step()
+        """)
+    assert not reviews
+    assert out.count("scaler.unscale_(opt)") == 2
+    assert ("    if fp16:\n        scaler.unscale_(opt)\n        torch.nn.utils.clip_grad_norm_" in out and
+            "    else:\n        scaler.unscale_(opt)\n        torch.nn.utils.clip_grad_norm_" in out)
+    monkeypatch.setenv("GPUMIGRATE_AMP", "fp16")  # the scaler on: a second unscale_ would raise
+    exec(compile(out, "x.py", "exec"), {})
+    exec(compile(out.replace("fp16 = True", "fp16 = False"), "x.py", "exec"), {})

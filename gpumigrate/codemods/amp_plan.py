@@ -236,16 +236,15 @@ def _place_updates(plan: AmpPlan) -> None:
 
 
 def _place_unscales(plan: AmpPlan, qualify) -> None:
-    """`scaler.unscale_(opt)` before gradient clipping, for the optimizer that steps next."""
+    """`scaler.unscale_(opt)` before gradient clipping, for the optimizer that steps next:
+    once on each path to the step (a clip in each branch of an `if` gets its own; a clip
+    after an earlier unscale_ of its block or an enclosing one does not: unscale_ twice
+    raises)."""
     s = plan.model.s
     steps = sorted(plan.model.step_calls, key=s.order)
-    unscaled: Set[Tuple[int, str]] = set()
+    placed: Dict[Tuple[int, str], List[cst.CSTNode]] = {}  # (loop, optimizer) -> lines unscaled before
     for node in s.index.order:
-        if not isinstance(node, cst.Call):
-            continue
-        name = qualify(node.func) or ""
-        master = any(qualify(c.func) == "apex.amp.master_params" for c in s.inside(node, cst.Call))
-        if name not in _CLIP and not master:
+        if not (isinstance(node, cst.Call) and (qualify(node.func) or "") in _CLIP):
             continue
         line = s.line(node)
         home = _loop_or_function(plan, node)
@@ -255,10 +254,44 @@ def _place_unscales(plan: AmpPlan, qualify) -> None:
         opt = dotted(after[0].func.value)
         if opt is None:
             raise _NotProven("gradient clipping before a step of an optimizer without a name")
-        if (id(home), opt) in unscaled:
-            continue  # unscale_ once per optimizer and step
-        unscaled.add((id(home), opt))
+        earlier = placed.setdefault((id(home), opt), [])
+        if _unscaled_before(s, line, home, {id(e) for e in earlier}):
+            continue  # unscaled already on every path here
+        earlier.append(line)
         plan.unscale_before.setdefault(id(line), []).append(opt)
+
+
+def _unscaled_before(s, line: cst.CSTNode, home: Optional[cst.CSTNode], placed: Set[int]) -> bool:
+    """Has every path from the top of `home` (a loop or function) to `line` run one of the
+    `placed` lines?"""
+
+    def runs(stmt: cst.CSTNode) -> bool:
+        if id(stmt) in placed:
+            return True
+        if isinstance(stmt, cst.If):
+            if stmt.orelse is None or not block_runs(stmt.body):
+                return False
+            return runs(stmt.orelse) if isinstance(stmt.orelse, cst.If) else block_runs(stmt.orelse.body)
+        if isinstance(stmt, cst.With):
+            return block_runs(stmt.body)
+        return False
+
+    def block_runs(block: cst.BaseSuite) -> bool:
+        return isinstance(block, cst.IndentedBlock) and any(runs(stmt) for stmt in block.body)
+
+    member = line
+    while member is not None and member is not home:
+        block = s.block(member)
+        if block is None:
+            break
+        body = list(block.body)
+        k = next(i for i, stmt in enumerate(body) if stmt is member)
+        if any(runs(stmt) for stmt in body[:k]):
+            return True
+        member = s.line(block) if not isinstance(block, cst.Module) else None
+        if member is not None and s.parent(block) is home:
+            break
+    return False
 
 
 def _forward_call(plan: AmpPlan, stmt: cst.CSTNode, trained: Set[str], depth: int = 0) -> Optional[cst.BaseExpression]:
