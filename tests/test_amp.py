@@ -236,3 +236,53 @@ def test_clipping_in_both_branches_unscales_in_both(monkeypatch):
     monkeypatch.setenv("GPUMIGRATE_AMP", "fp16")  # the scaler on: a second unscale_ would raise
     exec(compile(out, "x.py", "exec"), {})
     exec(compile(out.replace("fp16 = True", "fp16 = False"), "x.py", "exec"), {})
+
+
+@pytest.mark.parametrize("call, expected", [
+    ("torch.cuda.amp.autocast(use_amp)", "autocast(model, enabled=use_amp)"),
+    ("torch.cuda.amp.autocast(enabled=use_amp)", "autocast(model, enabled=use_amp)"),
+    # dtype and positional flags: torch.autocast takes the device first, so they become keywords
+    ("torch.cuda.amp.autocast(True, torch.bfloat16)", 'torch.autocast("cuda", enabled=True, dtype=torch.bfloat16)'),
+])
+def test_torch_cuda_amp_keeps_the_meaning_of_its_arguments(call, expected):
+    out, reviews = amp(f"""\
+        use_amp = True
+        scaler = torch.cuda.amp.GradScaler(enabled=use_amp)
+        for x, y in loader:
+            with {call}:
+                loss = model(x).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        """)
+    assert f"    with {expected}:\n" in out
+    agnostic = expected.startswith("autocast(")
+    # one form per file: autocast and scaler agree on the device (and so on the precision)
+    assert ("scaler = grad_scaler(enabled=use_amp)" if agnostic else
+            'scaler = torch.amp.GradScaler("cuda", enabled=use_amp)') in out
+    assert bool(reviews) != agnostic
+    exec(compile(out, "x.py", "exec"), {})
+
+
+def test_the_apex_guard_goes_with_all_it_imports_unless_something_still_needs_apex():
+    loop = ("model, opt = amp.initialize(model, opt, opt_level='O1')\nfor x, y in loader:\n"
+            "    loss = model(x).sum()\n    with amp.scale_loss(loss, opt) as scaled:\n        scaled.backward()\n"
+            "    opt.step()\n")
+    guard = ("try:\n    from apex.parallel import DistributedDataParallel as DDP\n    from apex import amp{}\n"
+             "except ImportError:\n    raise ImportError('Please install apex')\n")
+    out, reviews = amp(guard.format("") + loop)
+    assert "apex" not in out and not reviews
+    out, reviews = amp(guard.format(", optimizers") + loop + "fused = optimizers.FusedAdam(model.parameters())\n")
+    assert "    from apex import optimizers\nexcept ImportError:" in out and "scaler.step(opt)" in out
+    assert reviews == ["`apex.optimizers.FusedAdam` (apex) has no torch equivalent the migration knows: apex stays "
+                       "imported for it; replace it by hand"]
+
+
+def test_apex_initialize_by_keyword_and_its_settings_torch_amp_does_not_keep():
+    out, reviews = amp("from apex import amp\nmodel, opt = amp.initialize(models=model, optimizers=opt, "
+                       "opt_level=args.opt_level, loss_scale=128.0)\nfor x, y in loader:\n    loss = model(x).sum()\n"
+                       "    with amp.scale_loss(loss, opt) as scaled:\n        scaled.backward()\n    opt.step()\n",
+                       )
+    assert "amp." not in out and "scaler.step(opt)" in out
+    assert len(reviews) == 2 and "O0 (float32) and O3 (pure float16) are not kept" in reviews[0]
+    assert "static loss_scale" in reviews[1]

@@ -476,7 +476,9 @@ class Values:
             if qualified.endswith("random_split"):
                 return DATASET
             if qualified == "apex.amp.initialize":  # returns the models and optimizers it was given
-                given = [a.value for a in value.args if a.keyword is None]
+                given = [a.value for a in value.args if a.keyword is None][:2]
+                given += [a.value for a in value.args if a.keyword is not None and a.keyword.value in
+                          ("models", "optimizers")][: 2 - len(given)]
                 return self.unpacked(given[path[0]], path[1:], scope, at) if path[0] < len(given) else UNKNOWN
             if isinstance(value.func, cst.Attribute) and value.func.attr.value in ("max", "min", "topk", "sort"):
                 return TENSOR

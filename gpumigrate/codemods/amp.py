@@ -10,9 +10,10 @@ import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.structure import dotted
-from gpumigrate.codemods.amp_plan import AUTOCASTS, SCALERS, AmpPlan, amp_plan
+from gpumigrate.codemods.amp_plan import AmpPlan, amp_plan
+from gpumigrate.codemods.distributed import _APEX_PARALLEL
 from gpumigrate.codemods.base import Clean, Flagged, Rule
-from gpumigrate.codemods.helpers import call_method, get_arg, keyword_arg, runtime_name
+from gpumigrate.codemods.helpers import call_method, get_arg, keyword_arg, literal_str, runtime_name
 
 _HEAD = "import torch\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
 
@@ -105,7 +106,7 @@ class AmpSetup(Rule):
         model = script_model(self.ctx)
         if self.plan.why_not is not None:
             where = model.backward_calls[0] if model.backward_calls else node
-            self.report(where, f"training left in full precision: {self.plan.why_not}", review=True)
+            self.report(where, f"no mixed precision, the training is left as it is: {self.plan.why_not}", review=True)
             return
         if not self.plan.active:
             return
@@ -292,9 +293,12 @@ class _MigratedByAmp(Rule):
     plan: AmpPlan
 
     def report(self, node: cst.CSTNode, message: Optional[str] = None, **kwargs) -> None:
-        if self.fixing and not self.plan.applies:  # `lint --fix`: only `--to amp` migrates it
+        if self.fixing and not self.plan.applies and not kwargs.get("review"):
             kwargs["review"] = True
-            message = f"{message or self.message} (`gpumigrate --to amp` migrates it)"
+            if "GM500" in self.ctx.fixing:  # --to amp declined the file: GM500's item says why
+                message = f"{message or self.message} (not migrated: the training is left as it is)"
+            else:  # `lint --fix`: only `--to amp` migrates it
+                message = f"{message or self.message} (`gpumigrate --to amp` migrates it)"
         super().report(node, message, **kwargs)
 
 
@@ -348,33 +352,55 @@ class ApexAmp(_MigratedByAmp):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = amp_plan(self.ctx)
-        self.uses = [n for n in script_model(self.ctx).s.index.order
-                     if isinstance(n, (cst.Attribute, cst.Name)) and (self.qualify(n) or "").startswith("apex.amp.")]
+        s = script_model(self.ctx).s
+        imports = {id(n) for n in s.index.order if isinstance(n, (cst.Import, cst.ImportFrom))}
+        self.apex_names = {local for local, q in self.ctx.names.local.items() if q.split(".")[0] == "apex"}
+        # what is left of apex after the migration: a reviewer must remove it by hand
+        self.leftovers: List[cst.CSTNode] = []
+        for n in s.index.order:
+            if not isinstance(n, (cst.Attribute, cst.Name)) or any(id(a) in imports for a in s.ancestors(n)):
+                continue
+            qualified = self.qualify(n) or ""
+            parent = s.parent(n)
+            if not qualified.startswith("apex") or isinstance(parent, cst.Attribute) and parent.value is n:
+                continue  # not apex, or the inner part of a longer name
+            if qualified not in _APEX_MIGRATED and qualified not in _APEX_PARALLEL:
+                self.leftovers.append(n)
+        for n in self.leftovers:
+            self.report(n, f"`{self.qualify(n)}` (apex) has no torch equivalent the migration knows: apex stays "
+                           "imported for it; replace it by hand", review=True)
 
     def _migrating(self) -> bool:
         return self.plan.applies
 
     def leave_Try(self, original: cst.Try, updated: cst.Try):
-        """The `try: from apex import amp / except ImportError: raise ...` guard."""
+        """The `try: from apex import amp / except ImportError: raise ...` guard, when nothing
+        it imports is still needed."""
         body = original.body.body
-        if not body or not all(isinstance(s, cst.SimpleStatementLine) and all(
-                isinstance(i, (cst.Import, cst.ImportFrom)) and _imports_apex(i) for i in s.body) for s in body):
+        if not body or not all(isinstance(line, cst.SimpleStatementLine) for line in body):
+            return None
+        imported = [i for line in body for i in line.body]
+        if not all(isinstance(i, (cst.Import, cst.ImportFrom)) and _apex_module(i) for i in imported):
             return None
         if original.orelse or original.finalbody or not all(
                 all(isinstance(s, cst.SimpleStatementLine) and all(isinstance(i, _APEX_GUARD_HANDLER) for i in s.body)
                     for s in h.body.body) for h in original.handlers):
             return None
+        if self.leftovers or any(isinstance(i, cst.ImportFrom) and isinstance(i.names, cst.ImportStar)
+                                 for i in imported):
+            return None  # apex is still needed (listed for review)
         self.report(original, "the apex import guard goes: mixed precision comes from torch.amp")
         if not self._migrating():
             return None
         return self.ctx.remove_statement(original)
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        if _imports_apex(node) and not isinstance(script_model(self.ctx).s.parent(
-                script_model(self.ctx).s.parent(script_model(self.ctx).s.parent(node))), cst.Try):
-            self.report(node)
-            if self._migrating() and self.fixing:
-                self.ctx.remove_import("apex", "amp")
+        if not _imports_apex_amp(node):
+            return
+        self.report(node)
+        if self._migrating() and self.fixing:
+            self.ctx.remove_import("apex", "amp")
+            self.ctx.remove_import("apex.amp")
 
     def leave_SimpleStatementLine(self, original, updated):
         """`model, optimizer = amp.initialize(model, optimizer, ...)`: they are what they were."""
@@ -385,11 +411,12 @@ class ApexAmp(_MigratedByAmp):
         if not (isinstance(call, cst.Call) and self.qualify(call.func) == "apex.amp.initialize"):
             return None
         self.report(call, "`amp.initialize` goes: autocast casts per operation, the model stays float32")
+        self._review_settings(call)
         if not self._migrating():
             return None
-        args = [a.value for a in call.args if a.keyword is None][:2]
+        args = [a.value for a in (get_arg(call, "models", 0), get_arg(call, "optimizers", 1)) if a is not None]
         target = assign.targets[0].target if len(assign.targets) == 1 else None
-        if target is None:
+        if target is None or not args:
             return None
         value: cst.BaseExpression = args[0] if len(args) == 1 else cst.Tuple(
             elements=[cst.Element(a) for a in args], lpar=[], rpar=[])
@@ -398,6 +425,20 @@ class ApexAmp(_MigratedByAmp):
                 module.code_for_node(value).replace("(", "").replace(")", "").replace(" ", ""):
             return self.ctx.remove_statement(updated)
         return updated.with_changes(body=[updated.body[0].with_changes(value=value)])
+
+    def _review_settings(self, call: cst.Call) -> None:
+        """What torch.amp does not keep: apex's O0 (float32) and O3 (pure float16), a static
+        loss scale (GradScaler's is dynamic)."""
+        level = get_arg(call, "opt_level")
+        text = literal_str(level.value) if level is not None else "O1"
+        if text not in ("O1", "O2"):
+            shown = text or cst.Module(body=[]).code_for_node(level.value)
+            self.report(call, f"opt_level {shown} becomes autocast mixed precision (apex O1/O2): O0 (float32) and "
+                              "O3 (pure float16) are not kept; `GPUMIGRATE_AMP=off` runs in float32", review=True)
+        scale = get_arg(call, "loss_scale")
+        if scale is not None and literal_str(scale.value) != "dynamic":
+            self.report(call, "a static loss_scale becomes GradScaler's dynamic scaling (it starts at 65536 and "
+                              "adapts)", review=True)
 
     def leave_With(self, original: cst.With, updated: cst.With):
         """`with amp.scale_loss(loss, opt) as scaled: scaled.backward()` ->
@@ -444,13 +485,21 @@ class ApexAmp(_MigratedByAmp):
         return None
 
 
-def _imports_apex(node: cst.CSTNode) -> bool:
+_APEX_MIGRATED = ("apex.amp", "apex.amp.initialize", "apex.amp.scale_loss", "apex.amp.master_params",
+                  "apex.amp.state_dict", "apex.amp.load_state_dict")
+
+
+def _apex_module(node: cst.CSTNode) -> bool:
     if isinstance(node, cst.ImportFrom):
-        module = dotted(node.module) if node.module is not None else None
-        if module == "apex" and not isinstance(node.names, cst.ImportStar):
-            return all(dotted(a.name) == "amp" for a in node.names)
-        return module == "apex.amp"
-    return False
+        return node.module is not None and (dotted(node.module) or "").split(".")[0] == "apex"
+    return isinstance(node, cst.Import) and all((dotted(a.name) or "").split(".")[0] == "apex" for a in node.names)
+
+
+def _imports_apex_amp(node: cst.ImportFrom) -> bool:
+    module = dotted(node.module) if node.module is not None else None
+    if module == "apex" and not isinstance(node.names, cst.ImportStar):
+        return any(dotted(a.name) == "amp" for a in node.names)
+    return module == "apex.amp"
 
 
 class HalfTraining(_MigratedByAmp):
@@ -542,6 +591,36 @@ class HalfTraining(_MigratedByAmp):
             if isinstance(receiver, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) else receiver
 
 
+_CUDA_AMP = {"torch.cuda.amp.autocast": "autocast", "torch.cuda.amp.autocast_mode.autocast": "autocast",
+             "torch.cuda.amp.GradScaler": "GradScaler", "torch.cuda.amp.grad_scaler.GradScaler": "GradScaler"}
+# torch.cuda.amp.autocast(enabled=True, dtype=torch.float16, cache_enabled=True): torch.autocast
+# takes the device first, so positional arguments become keywords
+_AUTOCAST_POSITIONS = ("enabled", "dtype", "cache_enabled")
+
+
+def _keywords(args: Sequence[cst.Arg], positions: Sequence[str]):
+    """[(keyword, value)] for a call's arguments, or None with *args/**kwargs."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg.star:
+            return None
+        if arg.keyword is None:
+            if i >= len(positions):
+                return None
+            out.append((positions[i], arg.value))
+        else:
+            out.append((arg.keyword.value, arg.value))
+    return out
+
+
+def _last(args: Sequence[cst.Arg]) -> List[cst.Arg]:
+    """The arguments with no comma after the last (it may have moved)."""
+    out = list(args)
+    if out:
+        out[-1] = out[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    return out
+
+
 class DeprecatedCudaAmp(Rule):
     """
     ## What it does
@@ -583,26 +662,48 @@ class DeprecatedCudaAmp(Rule):
         Clean("import torch\nwith torch.autocast('cuda'):\n    y = f(x)\n"),
     )
 
-    def leave_Call(self, original: cst.Call, updated: cst.Call):
-        name = self.qualify(original.func)
-        if name not in ("torch.cuda.amp.autocast", "torch.cuda.amp.GradScaler",
-                        "torch.cuda.amp.autocast_mode.autocast", "torch.cuda.amp.grad_scaler.GradScaler"):
-            return None
-        self.report(original)
-        only_enabled = all(a.keyword is not None and a.keyword.value == "enabled" for a in original.args)
+    def visit_Module(self, node: cst.Module) -> None:
         model = script_model(self.ctx)
-        kept = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) if i == len(updated.args) - 1 else a
-                for i, a in enumerate(updated.args)]
+        self.calls = [c for c in model.s.index.order if isinstance(c, cst.Call) and self.qualify(c.func) in _CUDA_AMP]
+        self.forwards = {id(c): self._forward_in_with(c, model) for c in self.calls if "autocast" in _CUDA_AMP[
+            self.qualify(c.func)]}
+        # One form for the whole file: the runtime's (any device) only if every call can take
+        # it; else torch.amp on CUDA everywhere, so that autocast and the scaler agree on
+        # the precision (fp16 autocast with a scaler switched off would not scale).
+        self.agnostic = bool(self.calls) and all(self._agnostic(c) for c in self.calls)
+
+    def _agnostic(self, call: cst.Call) -> bool:
+        if _CUDA_AMP[self.qualify(call.func)] == "GradScaler":
+            return all(a.keyword is not None and a.keyword.value == "enabled" for a in call.args)
+        keywords = _keywords(call.args, _AUTOCAST_POSITIONS)
+        return keywords is not None and all(k == "enabled" for k, _ in keywords) and \
+            self.forwards.get(id(call)) is not None
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        kind = _CUDA_AMP.get(self.qualify(original.func) or "")
+        if kind is None:
+            return None
         cuda = cst.Arg(cst.SimpleString('"cuda"'))
-        if name.endswith("GradScaler"):
-            if only_enabled:
-                return cst.Call(func=runtime_name(self.ctx, "grad_scaler", self.fixing), args=kept)
-            return cst.Call(func=cst.parse_expression(self._torch("amp.GradScaler")), args=[cuda, *kept])
-        forward = self._forward_in_with(original, model)
-        if only_enabled and forward is not None:
+        if kind == "GradScaler":
+            self.report(original)
+            if self.agnostic:
+                return cst.Call(func=runtime_name(self.ctx, "grad_scaler", self.fixing), args=_last(updated.args))
+            return cst.Call(func=cst.parse_expression(self._torch("amp.GradScaler")), args=[cuda, *updated.args])
+        keywords = _keywords(updated.args, _AUTOCAST_POSITIONS)
+        if keywords is None:  # *args or **kwargs: keep them as they are, after the device
+            self.report(original)
+            return cst.Call(func=cst.parse_expression(self._torch("autocast")), args=[cuda, *updated.args])
+        args = [keyword_arg(k, v) for k, v in keywords]
+        if self.agnostic:
+            self.report(original)
             return cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
-                            args=[cst.Arg(forward.deep_clone()), *kept])
-        return cst.Call(func=cst.parse_expression(self._torch("autocast")), args=[cuda, *kept])
+                            args=_last([cst.Arg(self.forwards[id(original)].deep_clone()), *args]))
+        self.report(original)
+        if self.fixing:
+            self.report(original, "kept on CUDA (`torch.autocast(\"cuda\")`), as the arguments or the model of "
+                                  "this file's autocasts are not plain: on a CPU or a Mac it runs in float32",
+                        review=True)
+        return cst.Call(func=cst.parse_expression(self._torch("autocast")), args=_last([cuda, *args]))
 
     def _torch(self, attr: str) -> str:
         local = self.ctx.names.local_name_for(f"torch.{attr}")
