@@ -286,3 +286,42 @@ def test_apex_initialize_by_keyword_and_its_settings_torch_amp_does_not_keep():
     assert "amp." not in out and "scaler.step(opt)" in out
     assert len(reviews) == 2 and "O0 (float32) and O3 (pure float16) are not kept" in reviews[0]
     assert "static loss_scale" in reviews[1]
+
+
+VIT_STEP = """\
+from apex import amp
+fp16, accumulate = True, 2
+model, opt = amp.initialize(model, opt, opt_level="O2")
+for step, (x, y) in enumerate(loader):
+    loss = ((model(x) - y) ** 2).mean()
+    opt.zero_grad() if False else None
+    if accumulate > 1:
+        loss = loss / accumulate
+    if fp16:
+        with amp.scale_loss(loss, opt) as scaled_loss:
+            scaled_loss.backward()
+    else:
+        loss.backward()
+    if (step + 1) % accumulate == 0:
+        if fp16:
+            torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_the_apex_fp16_flag_pattern_of_real_scripts(monkeypatch):
+    """`if args.fp16: with amp.scale_loss(...)` / `else: loss.backward()`, accumulation, and
+    clipping in both branches (as in ViT-pytorch and the BERT examples)."""
+    out, reviews = amp(VIT_STEP)
+    assert not reviews, reviews
+    assert ("    with autocast(model):\n        loss = ((model(x) - y) ** 2).mean()\n        opt.zero_grad() if False "
+            "else None\n        if accumulate > 1:\n            loss = loss / accumulate\n    if fp16:\n"
+            "        scaler.scale(loss).backward()\n    else:\n        scaler.scale(loss).backward()\n") in out
+    assert out.count("scaler.unscale_(opt)") == 2 and out.count("scaler.update()") == 1
+    assert "optimizer_params(opt)" in out and "amp" not in out.replace("autocast", "").replace("gpumigrate", "")
+    for precision in ("fp16", "bf16"):
+        monkeypatch.setenv("GPUMIGRATE_AMP", precision)
+        exec(compile(out, "x.py", "exec"), {})

@@ -397,7 +397,8 @@ class ApexAmp(_MigratedByAmp):
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if not _imports_apex_amp(node):
             return
-        self.report(node)
+        if not any(isinstance(a, cst.Try) for a in script_model(self.ctx).s.ancestors(node)):
+            self.report(node)  # (a guard's import: the guard is reported)
         if self._migrating() and self.fixing:
             self.ctx.remove_import("apex", "amp")
             self.ctx.remove_import("apex.amp")

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from gpumigrate.analysis import script_model
-from gpumigrate.analysis.structure import dotted
+from gpumigrate.analysis.structure import dotted, target_names
 from gpumigrate.rewriter.engine import FileContext
 
 _CLIP = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad_norm",
@@ -51,6 +51,7 @@ class AmpPlan:
     # `model(x).sum().backward()`: line id -> the model; the loss gets a name, computed under autocast
     inline: Dict[int, cst.BaseExpression] = field(default_factory=dict)
     loss_name: str = "loss"
+    anchored: Set[Tuple[int, int]] = field(default_factory=set)  # (block, index) autocast before
     eval_numpy: List[cst.CSTNode] = field(default_factory=list)  # evaluation kept in full precision
     halves: List[cst.Call] = field(default_factory=list)  # `.half()` of models and loop inputs: they go
     scaler: str = "scaler"
@@ -137,7 +138,7 @@ def _plan_training(plan: AmpPlan) -> None:
     if not trained:
         raise _NotProven("no model an optimizer trains was found")
     # backward calls: `X.backward(...)` alone on its line, or apex's `with amp.scale_loss(...) as s`
-    anchors: Dict[int, Tuple[cst.CSTNode, cst.CSTNode]] = {}  # block member id -> (member, block)
+    anchors: Dict[int, Tuple[cst.CSTNode, cst.CSTNode, cst.BaseExpression]] = {}  # member id -> (member, block, loss)
     for call in model.backward_calls:
         func = call.func
         if not isinstance(func, cst.Attribute) or func.attr.value != "backward" or \
@@ -148,16 +149,18 @@ def _plan_training(plan: AmpPlan) -> None:
             raise _NotProven("a `.backward()` that is not a statement of its own")
         member = s.line(call)
         scale_loss = _apex_scale_loss(plan, member, func.value)
+        loss = func.value
         if scale_loss is not None:
             member = scale_loss
             plan.scale_loss_withs.add(id(scale_loss))
+            loss = scale_loss.items[0].item.args[0].value
         else:
             plan.backwards.add(id(call))
             inline = _forward_call(plan, func.value, trained)
             if inline is not None:
                 plan.inline[id(member)] = inline
                 continue
-        anchors[id(member)] = (member, s.block(member))
+        anchors[id(member)] = (member, s.block(member), loss)
     for step in model.step_calls:
         receiver = step.func.value
         if "scaler" in (dotted(receiver) or "").lower():
@@ -169,8 +172,8 @@ def _plan_training(plan: AmpPlan) -> None:
         plan.steps.add(id(step))
     _place_updates(plan)
     _place_unscales(plan, qualify)
-    for member, block in anchors.values():
-        _slice_forward(plan, member, block, trained)
+    for member, block, loss in anchors.values():
+        _slice_forward(plan, member, block, trained, loss)
 
 
 def _find_halves(plan: AmpPlan) -> None:
@@ -315,21 +318,28 @@ def _forward_call(plan: AmpPlan, stmt: cst.CSTNode, trained: Set[str], depth: in
     return None
 
 
-def _slice_forward(plan: AmpPlan, member: cst.CSTNode, block: cst.CSTNode, trained: Set[str]) -> None:
+def _slice_forward(plan: AmpPlan, member: cst.CSTNode, block: cst.CSTNode, trained: Set[str],
+                   loss: cst.BaseExpression) -> None:
     """Autocast from the first statement before `member` that runs a trained model (in its
-    block, or an enclosing one up to the loop) to just before `member`."""
+    block, or an enclosing one up to the loop) through the last one that computes `loss`."""
     s = plan.model.s
+    needed = {n.value for n in s.inside(loss, cst.Name)}
     while True:
         body = list(block.body)
         k = next(i for i, b in enumerate(body) if b is member)
+        if (id(block), k) in plan.anchored:
+            return  # the other branch of an `if` whose first branch placed it
         taken = max([sl.end for sl in plan.slices if sl.block is block and sl.end <= k], default=0)
         for i in range(taken, k):
             found = _forward_call(plan, body[i], trained)
             if found is not None:
-                end = k
-                while end - 1 > i and _inert(body[end - 1]) and _forward_call(plan, body[end - 1], trained) is None:
-                    end -= 1  # `optimizer.zero_grad()`, `print(...)`: nothing autocast changes
+                end = next((j + 1 for j in range(k - 1, i - 1, -1) if _assigns(s, body[j]) & needed), None)
+                if end is None:
+                    end = k
+                    while end - 1 > i and _inert(body[end - 1]) and _forward_call(plan, body[end - 1], trained) is None:
+                        end -= 1  # `optimizer.zero_grad()`, `print(...)`: nothing autocast changes
                 plan.slices.append(Slice(block, i, end, found))
+                plan.anchored.add((id(block), k))
                 _check_numpy(plan, body[k + 1:])
                 return
         parent = s.parent(block)
@@ -343,6 +353,16 @@ def _slice_forward(plan: AmpPlan, member: cst.CSTNode, block: cst.CSTNode, train
             break
         member, block = parent, s.block(parent)
     raise _NotProven("no forward pass of the trained model before its `.backward()` in the same block")
+
+
+def _assigns(s, stmt: cst.CSTNode) -> Set[str]:
+    """Names a statement (or any statement inside it) binds."""
+    out: Set[str] = set()
+    for node in s.inside(stmt, (cst.Assign, cst.AugAssign, cst.AnnAssign)):
+        targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+        for t in targets:
+            out.update(target_names(t))
+    return out
 
 
 def _inert(stmt: cst.CSTNode) -> bool:
