@@ -27,6 +27,7 @@ from gpumigrate.codemods.helpers import (
     is_method_call,
     keyword_arg,
     literal_bool,
+    literal_int,
     literal_str,
     remove_statement,
     runtime_name,
@@ -650,6 +651,10 @@ class LegacyLauncher(Rule):
             "import os\nparser.add_argument('--local_rank', type=int, default=0)\n",
             fixed="import os\nparser.add_argument('--local_rank', type=int, default=int(os.environ.get(\"LOCAL_RANK\", 0)))\n",
         ),
+        Flagged(
+            "import os\nparser.add_argument('--local_rank', type=int, default=-1)\n",
+            fixed="import os\nparser.add_argument('--local_rank', type=int, default=int(os.environ.get(\"LOCAL_RANK\", -1)))\n",
+        ),
         Clean("parser.add_argument('--rank', type=int, default=0)\n"),
     )
 
@@ -665,9 +670,18 @@ class LegacyLauncher(Rule):
         self.report(original)
         if self.fixing:
             self.ctx.add_import("os")
-        value = cst.parse_expression('int(os.environ.get("LOCAL_RANK", 0))')
+        # the script's own default stays the fallback: `-1` often means "not distributed"
+        fallback = _signed_int(default.value) if default is not None else None
+        value = cst.parse_expression(f'int(os.environ.get("LOCAL_RANK", {fallback if fallback is not None else 0}))')
         args = [a for a in updated.args if a is not default]
         return with_args(updated, [*args, keyword_arg("default", value)])
+
+
+def _signed_int(node: cst.BaseExpression) -> Optional[int]:
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
+        value = literal_int(node.expression)
+        return -value if value is not None else None
+    return literal_int(node)
 
 
 def _loop_of(stmt: cst.CSTNode) -> Optional[cst.For]:
