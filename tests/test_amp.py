@@ -325,3 +325,33 @@ def test_the_apex_fp16_flag_pattern_of_real_scripts(monkeypatch):
     for precision in ("fp16", "bf16"):
         monkeypatch.setenv("GPUMIGRATE_AMP", precision)
         exec(compile(out, "x.py", "exec"), {})
+
+
+def test_data_made_float16_outside_the_loops_is_listed_when_the_model_goes_float32():
+    out, reviews = amp("""\
+        images = torch.randn(16, 4).half()
+        model.half()
+        for x, y in loader:
+            model(x.half()).sum().backward()
+            opt.step()
+        """)
+    assert "model.half()" not in out and "x.half()" not in out and "images = torch.randn(16, 4).half()" in out
+    assert len(reviews) == 1 and reviews[0].startswith("`.half()` kept: if this feeds the model")
+
+
+def test_a_checkpoint_dict_keeps_the_scaler_wherever_it_is_saved():
+    out, _ = amp("""\
+        def save_checkpoint(state, path):
+            torch.save(state, path)
+        for x, y in loader:
+            model(x).sum().backward()
+            opt.step()
+        save_checkpoint({
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+        }, "ckpt.pt")
+        ckpt = torch.load("ckpt.pt")
+        opt.load_state_dict(ckpt["optimizer"])
+        """)
+    assert '    "optimizer": opt.state_dict(),\n    "scaler": scaler.state_dict(),\n}, "ckpt.pt")' in out
+    assert 'opt.load_state_dict(ckpt["optimizer"])\nload_scaler_state(scaler, ckpt.get("scaler"))' in out

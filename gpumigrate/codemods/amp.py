@@ -121,7 +121,7 @@ class AmpSetup(Rule):
             self.report(call, "evaluation left in full precision: its results become NumPy arrays, and bfloat16 "
                               "(on a CPU) has none; autocast its forward pass by hand if they are cast first",
                         review=True)
-        self.saved = [c for c in model.s.index.order if isinstance(c, cst.Call) and self._saves_optimizer(c)]
+        self.saved = {id(d) for d in model.s.index.order if isinstance(d, cst.Dict) and self._checkpoint(d)}
         self.restored = {id(line) for line in self._restores_optimizer()}
 
     def _active(self) -> bool:
@@ -145,10 +145,13 @@ class AmpSetup(Rule):
             self.report(original, "the optimizer steps through the scaler (skipped when gradients overflowed)")
             return _scaler_call(self.plan, "step", [updated.func.value]).with_changes(
                 lpar=updated.lpar, rpar=updated.rpar)
-        if id(original) in self._saved_ids():
-            self.report(original, "the checkpoint keeps the loss scaler's state")
-            return self._save_scaler(updated)
         return None
+
+    def leave_Dict(self, original: cst.Dict, updated: cst.Dict):
+        if not self._active() or id(original) not in self.saved:
+            return None
+        self.report(original, "the checkpoint keeps the loss scaler's state")
+        return self._save_scaler(updated)
 
     def leave_SimpleStatementLine(self, original, updated):
         if not self._active():
@@ -234,30 +237,24 @@ class AmpSetup(Rule):
         return script_model(self.ctx).kind(expr.func.value) == "optimizer" or \
             "optim" in (dotted(expr.func.value) or "").lower()
 
-    def _saves_optimizer(self, call: cst.Call) -> bool:
-        """`torch.save({..., 'optimizer': opt.state_dict()}, path)` (a dict display)."""
-        if self.qualify(call.func) != "torch.save" or not call.args or not isinstance(call.args[0].value, cst.Dict):
-            return False
-        elements = call.args[0].value.elements
-        keys = {getattr(e.key, "evaluated_value", None) for e in elements if isinstance(e, cst.DictElement)}
+    def _checkpoint(self, d: cst.Dict) -> bool:
+        """`{..., 'optimizer': opt.state_dict()}`: a checkpoint, wherever it goes (torch.save,
+        a save_checkpoint() of the script's, a variable saved later)."""
+        keys = {getattr(e.key, "evaluated_value", None) for e in d.elements if isinstance(e, cst.DictElement)}
         return "scaler" not in keys and any(isinstance(e, cst.DictElement) and self._optimizer_state(e.value)
-                                            for e in elements) and "amp" not in self.ctx.names.local
+                                            for e in d.elements) and "amp" not in self.ctx.names.local
 
-    def _saved_ids(self) -> set:
-        return {id(c) for c in self.saved}
-
-    def _save_scaler(self, updated: cst.Call) -> cst.Call:
-        d = updated.args[0].value
+    def _save_scaler(self, d: cst.Dict) -> cst.Dict:
         elements = list(d.elements)
         last = elements[-1]
-        comma = last.comma if last.comma is not cst.MaybeSentinel.DEFAULT else None
         entry = cst.DictElement(key=_string("scaler", d.elements[0].key),
-                                value=_scaler_call(self.plan, "state_dict", []), comma=comma or cst.MaybeSentinel.DEFAULT)
-        elements[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-        if comma is not None and not isinstance(comma.whitespace_after, cst.SimpleWhitespace):
-            elements[-1] = last  # one entry per line: keep the layout, the new entry takes the same comma
-        return updated.with_changes(args=[updated.args[0].with_changes(value=d.with_changes(
-            elements=elements + [entry]))] + list(updated.args[1:]))
+                                value=_scaler_call(self.plan, "state_dict", []), comma=last.comma)
+        between = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        if len(elements) > 1 and isinstance(elements[-2].comma, cst.Comma) and \
+                isinstance(elements[-2].comma.whitespace_after, cst.ParenthesizedWhitespace):
+            between = elements[-2].comma  # one entry per line: the new one gets a line too
+        elements[-1] = last.with_changes(comma=between)
+        return d.with_changes(elements=elements + [entry])
 
     def _restores_optimizer(self) -> List[cst.SimpleStatementLine]:
         """`opt.load_state_dict(checkpoint['optimizer'])` lines: the scaler's state follows."""
@@ -549,6 +546,11 @@ class HalfTraining(_MigratedByAmp):
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = amp_plan(self.ctx)
         self.halves = {id(c) for c in self.plan.halves}
+        model = script_model(self.ctx)
+        if self.plan.applies and any(model.module_like(c.func.value) for c in self.plan.halves):
+            for call in self.plan.kept_halves:  # data made float16 once, outside the loops
+                self.report(call, "`.half()` kept: if this feeds the model, drop it (the model is float32 now; "
+                                  "autocast casts per operation, evaluation outside autocast does not)", review=True)
 
     def leave_SimpleStatementLine(self, original, updated):
         """`model.half()` alone on its line goes, and so does `x = x.half()`."""

@@ -54,6 +54,7 @@ class AmpPlan:
     anchored: Set[Tuple[int, int]] = field(default_factory=set)  # (block, index) autocast before
     eval_numpy: List[cst.CSTNode] = field(default_factory=list)  # evaluation kept in full precision
     halves: List[cst.Call] = field(default_factory=list)  # `.half()` of models and loop inputs: they go
+    kept_halves: List[cst.Call] = field(default_factory=list)  # other `.half()`: listed when the model's go
     scaler: str = "scaler"
     _defined: bool = False
 
@@ -191,6 +192,8 @@ def _find_halves(plan: AmpPlan) -> None:
         if model.module_like(call.func.value) or any(
                 id(a) in loop_ids or isinstance(a, (cst.For, cst.While)) and model.trains(a) for a in s.ancestors(call)):
             plan.halves.append(call)
+        else:
+            plan.kept_halves.append(call)
     if not any(model.module_like(c.func.value) for c in plan.halves):
         return
     if plan.ctx.options.get("keep_half"):
