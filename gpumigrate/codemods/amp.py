@@ -366,6 +366,11 @@ class ApexAmp(_MigratedByAmp):
         for n in self.leftovers:
             self.report(n, f"`{self.qualify(n)}` (apex) has no torch equivalent the migration knows: apex stays "
                            "imported for it; replace it by hand", review=True)
+        for n in s.index.order:
+            if isinstance(n, cst.ImportFrom) and isinstance(n.names, cst.ImportStar) and _apex_module(n):
+                self.leftovers.append(n)  # names unknown: apex stays
+                self.report(n, "what this star import gives (`to_python_float`, ...) is not migrated: apex stays "
+                               "imported for it; import the names used, or replace them by hand", review=True)
 
     def _migrating(self) -> bool:
         return self.plan.applies
