@@ -355,3 +355,12 @@ def test_a_checkpoint_dict_keeps_the_scaler_wherever_it_is_saved():
         """)
     assert '    "optimizer": opt.state_dict(),\n    "scaler": scaler.state_dict(),\n}, "ckpt.pt")' in out
     assert 'opt.load_state_dict(ckpt["optimizer"])\nload_scaler_state(scaler, ckpt.get("scaler"))' in out
+
+
+def test_apex_behind_a_flag_goes_and_the_flag_is_listed():
+    out, reviews = amp("from apex import amp\nfp16 = True\nif fp16:\n    model, opt = amp.initialize(model, opt)\n"
+                       "for x, y in loader:\n    loss = model(x).sum()\n    with amp.scale_loss(loss, opt) as s:\n"
+                       "        s.backward()\n    opt.step()\n")
+    assert "if fp16" not in out and "amp." not in out
+    assert reviews == ["apex ran only `if fp16:`; mixed precision now always runs: pass `enabled=fp16` to autocast() "
+                       "and grad_scaler() if the flag must keep its meaning"]

@@ -415,6 +415,11 @@ class ApexAmp(_MigratedByAmp):
             return None
         self.report(call, "`amp.initialize` goes: autocast casts per operation, the model stays float32")
         self._review_settings(call)
+        flag = self._condition(original)
+        if flag is not None:
+            self.report(call, f"apex ran only `if {flag}:`; mixed precision now always runs: pass "
+                              f"`enabled={flag}` to autocast() and grad_scaler() if the flag must keep its meaning",
+                        review=True)
         if not self._migrating():
             return None
         args = [a.value for a in (get_arg(call, "models", 0), get_arg(call, "optimizers", 1)) if a is not None]
@@ -428,6 +433,28 @@ class ApexAmp(_MigratedByAmp):
                 module.code_for_node(value).replace("(", "").replace(")", "").replace(" ", ""):
             return self.ctx.remove_statement(updated)
         return updated.with_changes(body=[updated.body[0].with_changes(value=value)])
+
+    def _condition(self, line: cst.CSTNode) -> Optional[str]:
+        """The test of the `if` directly around `line`, if any."""
+        s = script_model(self.ctx).s
+        block = s.block(line)
+        parent = s.parent(block) if block is not None else None
+        return cst.Module(body=[]).code_for_node(parent.test) if isinstance(parent, cst.If) else None
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        """`if args.fp16: model, optimizer = amp.initialize(...)` leaves nothing to test."""
+        if not self._migrating() or original.orelse is not None or script_model(self.ctx).s.inside(
+                original.test, cst.Call):
+            return None
+        body = original.body.body
+        if all(isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 and isinstance(
+                line.body[0], cst.Assign) and isinstance(line.body[0].value, cst.Call) and
+               self.qualify(line.body[0].value.func) == "apex.amp.initialize" for line in body):
+            inner = updated.body.body
+            if all(m.matches(line, m.SimpleStatementLine(body=[m.Pass()])) and not line.leading_lines
+                   for line in inner):
+                return self.ctx.remove_statement(updated)
+        return None
 
     def _review_settings(self, call: cst.Call) -> None:
         """What torch.amp does not keep: apex's O0 (float32) and O3 (pure float16), a static
