@@ -59,11 +59,12 @@ from gpumigrate.rewriter import engine
 from gpumigrate.rewriter.engine import FileResult
 from gpumigrate.rewriter.run import process_source
 
-MODES = ("lint", "device", "ddp")
+MODES = ("lint", "device", "ddp", "ddp+amp")  # ddp+amp: `--to ddp,amp`, every target's rules
 ALL_MODES = (*MODES, "lint-fix")  # `lint --fix`: on request (its fixes are the targets' fixes)
 # (before the files, after them)
 CLI_ARGS = {"lint": (["lint"], []), "lint-fix": (["lint"], ["--fix"]),
-            "device": (["migrate"], ["--to", "device", "-q"]), "ddp": (["migrate"], ["--to", "ddp", "-q"])}
+            "device": (["migrate"], ["--to", "device", "-q"]), "ddp": (["migrate"], ["--to", "ddp", "-q"]),
+            "ddp+amp": (["migrate"], ["--to", "ddp,amp", "-q"])}
 BATCH = 40  # files per CLI child: big enough that imports are noise, small enough to bisect
 # Seconds for one file in one mode. The slowest real file (torch's 1 MB
 # common_methods_invocations.py, ddp) takes ~60 s, ~110 s on a loaded machine; a hang is a bug.
@@ -85,10 +86,11 @@ def mode(name: str) -> Mode:
     if name in ("lint", "lint-fix"):
         rules = tuple(select_rules([], [], lint=True))
         return Mode(name, rules, tuple(r.code for r in rules if r.fixed_in) if name == "lint-fix" else (), None)
-    target_rules = [r for r in rules_for(name) if r in select_rules([], [], lint=False)]
-    fix = set(fixed_codes(name))
+    target = name.replace("+", ",")
+    target_rules = [r for r in rules_for(target) if r in select_rules([], [], lint=False)]
+    fix = set(fixed_codes(target))
     return Mode(name, tuple(target_rules), tuple(r.code for r in target_rules if r.code in fix),
-                {"sync_bn": False, "runtime_module": None})
+                {"sync_bn": False, "keep_half": False, "runtime_module": None})
 
 
 # The CLI always passes these (cli._repairs): an old file must parse to be checked at all.
