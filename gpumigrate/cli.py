@@ -16,7 +16,7 @@ from gpumigrate import __version__
 from gpumigrate.config import Config, ConfigError, load_config
 from gpumigrate.rewriter.diff import colourize, file_diff
 from gpumigrate.rewriter.files import discover
-from gpumigrate.targets import TARGETS, TargetError, parse_target
+from gpumigrate.targets import TargetError, parse_target
 
 if TYPE_CHECKING:
     from gpumigrate.rewriter.engine import FileResult
