@@ -205,3 +205,11 @@ def test_pickled_loads_are_told_from_state_dicts():
         """)
     loads = [c for c in model.s.index.order if isinstance(c, cst.Call) and model.qualify(c.func) == "torch.load"]
     assert [model.loads_pickled(c) for c in loads] == [True, False, True]
+
+
+def test_a_recursive_function_unpacked_from_its_own_call_is_no_new_fact():
+    """`return build(n - 1)` in a function whose result is unpacked: once an endless
+    recursion ("nesting too deep" on torch/_inductor/ir.py)."""
+    model = model_of("import torch\ndef build(n):\n    if n == 0:\n        return torch.nn.Linear(2, 2), 0\n"
+                     "    return build(n - 1)\nnet, depth = build(3)\nnet\n")
+    assert model.kind(expr(model, "net")) == v.MODULE

@@ -464,6 +464,18 @@ class Values:
     def unpacked(self, value: cst.BaseExpression, path: Tuple[int, ...], scope: Scope, at: float) -> str:
         if not path:
             return self.expr(value, scope, at)
+        # a recursive function returning its own call (`return f(x - 1)`): no new fact
+        key = (id(value), path)
+        active = self.__dict__.setdefault("_unpacking", set())
+        if key in active:
+            return NEUTRAL  # the other returns decide
+        active.add(key)
+        try:
+            return self._unpacked(value, path, scope, at)
+        finally:
+            active.discard(key)
+
+    def _unpacked(self, value: cst.BaseExpression, path: Tuple[int, ...], scope: Scope, at: float) -> str:
         if isinstance(value, (cst.Tuple, cst.List)):
             if path[0] < len(value.elements) and not any(isinstance(e, cst.StarredElement) for e in value.elements):
                 return self.unpacked(value.elements[path[0]].value, path[1:], scope, at)
