@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import click
 
@@ -88,6 +88,9 @@ _STDIN_NAME = click.option("--stdin-filename", metavar="PATH", default=None,
                            help="The name of the file read from `-` (for messages and configuration).")
 _JOBS = click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, metavar="N",
                      help="Files processed at a time, each in a worker process (default: one per CPU).")
+_NO_CACHE = click.option("--no-cache", is_flag=True,
+                         help="Do not read or write the results cache (.gpumigrate_cache beside pyproject.toml, or "
+                              "GPUMIGRATE_CACHE_DIR).")
 
 
 class _TargetList(click.ParamType):
@@ -129,10 +132,11 @@ class _TargetList(click.ParamType):
                    "scripts import it from there: they then need only torch, not gpumigrate.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors and the summary.")
 @_JOBS
+@_NO_CACHE
 def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, check: bool, output: Optional[str],
             select: Tuple[str, ...], ignore: Tuple[str, ...], exclude: Tuple[str, ...], sync_bn: bool, keep_half: bool,
             report_file: Optional[str], stdin_filename: Optional[str], color: str, vendor_dir: Optional[str],
-            quiet: bool, jobs: Optional[int]) -> None:
+            quiet: bool, jobs: Optional[int], no_cache: bool) -> None:
     """Rewrite PATHS (files, directories, or `-` for stdin) for the --to target.
 
     Exit 0 when done, 1 when --check finds files that would change, 2 on errors."""
@@ -169,7 +173,8 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
 
     options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module}
     results: List[FileResult] = []
-    processed = _process(files, stdin_filename, plan, options, max_size=config.max_file_size, jobs=jobs)
+    processed = _process(files, stdin_filename, plan, options, max_size=config.max_file_size, jobs=jobs,
+                         cache=False if no_cache else config.path)
     for result in _progress(processed, len(files), "migrating") if quiet else processed:
         results.append(result)
         _deliver(result, show_diff, check, output, reading_stdin, quiet, _colour(color))
@@ -219,12 +224,15 @@ def _vendor_note(results: List["FileResult"], directory: str, output: Optional[s
 
 def _process(files: Sequence[str], stdin_filename: Optional[str],
              plan: Callable[[str], Tuple[List[type], List[str]]], options: Optional[dict] = None,
-             max_size: Optional[int] = None, jobs: Optional[int] = None) -> Iterator["FileResult"]:
+             max_size: Optional[int] = None, jobs: Optional[int] = None,
+             cache: Union[str, None, bool] = False) -> Iterator["FileResult"]:
     """The files (or stdin, under the name given for it) through the engine, in worker
     processes `jobs` at a time: a file that crashes its worker is that file's error, and the
     run goes on. `plan(name)`: the rules and the codes to fix for a file. Results come in
-    input order; a file over `max_size` bytes is skipped, as an error."""
-    from gpumigrate.rewriter.workers import Task, process_tasks
+    input order; a file over `max_size` bytes is skipped, as an error. `cache`: False for
+    none, else the configuration file whose folder holds the cache (None: the current one)."""
+    from gpumigrate.rewriter.cache import Cache, cache_dir
+    from gpumigrate.rewriter.workers import Task, process_cached
 
     repairs = tuple(_repairs())
     tasks = []
@@ -235,7 +243,7 @@ def _process(files: Sequence[str], stdin_filename: Optional[str],
                               source=sys.stdin.buffer.read()))
         else:
             tasks.append(Task(path, tuple(rules), tuple(fix), options, repairs, max_size))
-    return process_tasks(tasks, jobs)
+    return process_cached(tasks, jobs, None if cache is False else Cache(cache_dir(cache)))
 
 
 def _repairs() -> List[type]:
@@ -399,8 +407,10 @@ FORMATS = ("text", "json", "sarif", "github")
 @_STDIN_NAME
 @_COLOR
 @_JOBS
+@_NO_CACHE
 def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...], fix: bool, show_diff: bool,
-         fmt: str, exclude: Tuple[str, ...], stdin_filename: Optional[str], color: str, jobs: Optional[int]) -> None:
+         fmt: str, exclude: Tuple[str, ...], stdin_filename: Optional[str], color: str, jobs: Optional[int],
+         no_cache: bool) -> None:
     """Report GPU memory and speed anti-patterns in PATHS (`-` for stdin).
 
     Exit 0 when clean, 1 when there are findings, 2 on errors."""
@@ -422,7 +432,8 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         rules = selection.for_file(name)
         return rules, ([r.code for r in rules if r.fixed_in] if fix else [])
 
-    processed = _process(files, stdin_filename, plan, max_size=config.max_file_size, jobs=jobs)
+    processed = _process(files, stdin_filename, plan, max_size=config.max_file_size, jobs=jobs,
+                         cache=False if no_cache else config.path)
     for result in _progress(processed, len(files), "linting"):
         if result.error:
             failed += 1

@@ -6,10 +6,10 @@ import os
 import stat
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
 from gpumigrate.rewriter.engine import FileResult, process
-from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Refused, read, write_atomic
+from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Refused, Stamp, read, write_atomic
 from gpumigrate.rewriter.names import ImportTable
 from gpumigrate.rewriter.notebook import is_notebook, process_notebook
 
@@ -18,15 +18,23 @@ def process_path(path: str, rules: Sequence[type], fix: Sequence[str], options: 
                  repairs: Optional[Sequence[type]] = None,
                  max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE) -> FileResult:
     """`path` through the engine; only a regular file of at most `max_size` bytes is read."""
+    read_in = read_input(path, max_size)
+    if isinstance(read_in, FileResult):
+        return read_in
+    source, stamp = read_in
+    result = process_source(source, path, rules, fix, options, repairs)
+    result.read_as = stamp
+    return result
+
+
+def read_input(path: str, max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE) -> Union[Tuple[bytes, Stamp], FileResult]:
+    """The file's bytes and stamp, or the result that says why it cannot be read."""
     try:
-        source, stamp = read(path, max_size)
+        return read(path, max_size)
     except Refused as exc:
         return FileResult(path=path, source=b"", error=f"{path}: {exc}")
     except OSError as exc:
         return FileResult(path=path, source=b"", error=f"{path}: cannot read: {exc.strerror or exc}")
-    result = process_source(source, path, rules, fix, options, repairs)
-    result.read_as = stamp
-    return result
 
 
 def process_source(source: bytes, path: str, rules: Sequence[type], fix: Sequence[str],

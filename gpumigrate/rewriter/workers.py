@@ -10,12 +10,14 @@ import os
 import signal
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from gpumigrate.rewriter.cache import Cache, run_key
 from gpumigrate.rewriter.engine import FileResult
-from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE
-from gpumigrate.rewriter.run import process_path, process_source
+from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Stamp
+from gpumigrate.rewriter.run import process_path, process_source, read_input
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,57 @@ class Task:
     options: Optional[dict] = None
     repairs: Optional[Tuple[type, ...]] = None
     max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE
-    source: Optional[bytes] = None  # stdin's bytes, named `path`; None: read the file `path`
+    source: Optional[bytes] = None  # the bytes (stdin's, or a file read already); None: read `path`
+    stamp: Optional[Stamp] = None  # of a file read already: writes check it is unchanged
 
 
 def run_task(task: Task) -> FileResult:
     if task.source is not None:
-        return process_source(task.source, task.path, task.rules, task.fix, task.options, task.repairs)
+        result = process_source(task.source, task.path, task.rules, task.fix, task.options, task.repairs)
+        result.read_as = task.stamp
+        return result
     return process_path(task.path, task.rules, task.fix, task.options, task.repairs, max_size=task.max_size)
+
+
+def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[Cache]) -> Iterator[FileResult]:
+    """`process_tasks`, with the results of unchanged files taken from `cache` (and the new
+    ones put there). Files are read here, once: a hit costs a read and a hash."""
+    if cache is None:
+        yield from process_tasks(tasks, jobs)
+        return
+    runs: Dict[tuple, str] = {}
+    plan: List[Tuple[Optional[FileResult], Optional[str]]] = []  # (result known now, or the key to store)
+    todo: List[Task] = []
+    for task in tasks:
+        if task.source is not None:  # stdin: not cached
+            plan.append((None, None))
+            todo.append(task)
+            continue
+        read_in = read_input(task.path, task.max_size)
+        if isinstance(read_in, FileResult):
+            plan.append((read_in, None))
+            continue
+        source, stamp = read_in
+        signature = (task.rules, task.fix, repr(sorted((task.options or {}).items())), task.repairs)
+        if signature not in runs:
+            runs[signature] = run_key(task.rules, task.fix, task.options, task.repairs)
+        key = cache.key(runs[signature], task.path, stamp.sha256)
+        hit = cache.get(key, task.path, source)
+        if hit is not None:
+            hit.read_as = stamp
+            plan.append((hit, None))
+            continue
+        plan.append((None, key))
+        todo.append(dataclasses.replace(task, source=source, stamp=stamp))
+    computed = process_tasks(todo, jobs)
+    for known, key in plan:
+        if known is not None:
+            yield known
+            continue
+        result = next(computed)
+        if key is not None:
+            cache.put(key, result)
+        yield result
 
 
 def default_jobs() -> int:
