@@ -1,6 +1,9 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -12,6 +15,13 @@ from gpumigrate.rewriter.names import ImportTable
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
+
+# The CLI's results cache goes next to a run's pyproject.toml, else in the current folder: the
+# checkout, for most tests. One scratch folder per session instead (tests/test_cache.py sets
+# its own).
+if "GPUMIGRATE_CACHE_DIR" not in os.environ:
+    os.environ["GPUMIGRATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpumigrate-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["GPUMIGRATE_CACHE_DIR"], ignore_errors=True)
 
 
 def migrate(source: bytes, target: str = "device", path: str = "script.py", options: Optional[dict] = None) -> FileResult:
