@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import libcst as cst
 
-from gpumigrate.rewriter.engine import NodeIndex
+from gpumigrate.rewriter.engine import NodeIndex, node_types
 from gpumigrate.rewriter.names import dotted  # noqa: F401  (the analysis reads names with it too)
 
 ScopeNode = Union[cst.Module, cst.FunctionDef, cst.ClassDef, cst.Lambda]
@@ -96,6 +96,13 @@ def target_names(target: cst.CSTNode) -> List[str]:
 
 
 _STATEMENTS = (cst.BaseSmallStatement, cst.BaseCompoundStatement)
+
+
+def _types(kinds) -> frozenset:
+    """The concrete classes of a type or tuple of types (fast membership, see node_types)."""
+    if isinstance(kinds, tuple):
+        return frozenset().union(*(node_types(k) for k in kinds))
+    return node_types(kinds)
 
 
 class Structure:
@@ -329,14 +336,16 @@ class Structure:
 
     def inside(self, node: cst.CSTNode, kinds) -> List[cst.CSTNode]:
         """Every node of these types under `node` (pre-order)."""
-        return [n for n in self.index.subtree(node) if isinstance(n, kinds)]
+        types = _types(kinds)
+        return [n for n in self.index.subtree(node) if type(n) in types]
 
     def own(self, root: cst.CSTNode, kinds) -> List[cst.CSTNode]:
         """Nodes of these types under `root` that run in root's own scope (not in nested
         functions, lambdas or classes)."""
         scope = self.scope(root) if not isinstance(root, (cst.FunctionDef, cst.Lambda, cst.ClassDef)) \
             else self.scopes[id(root)]
-        return [n for n in self.index.subtree(root) if isinstance(n, kinds) and self._scope_of.get(id(n)) is scope]
+        types = _types(kinds)
+        return [n for n in self.index.subtree(root) if type(n) in types and self._scope_of.get(id(n)) is scope]
 
     # -- names ---------------------------------------------------------------------------
     def lookup(self, name: str, scope: Scope, at: float = NEVER) -> Tuple[Optional[Scope], List[Binding]]:
