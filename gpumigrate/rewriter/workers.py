@@ -46,7 +46,7 @@ def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[C
     """`process_tasks`, with the results of unchanged files taken from `cache` (and the new
     ones put there). Files are read here, once: a hit costs a read and a hash."""
     if cache is None:
-        yield from process_tasks(tasks, jobs)
+        yield from _largest_first(tasks, jobs)
         return
     runs: Dict[tuple, str] = {}
     plan: List[Tuple[Optional[FileResult], Optional[str]]] = []  # (result known now, or the key to store)
@@ -72,7 +72,7 @@ def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[C
             continue
         plan.append((None, key))
         todo.append(dataclasses.replace(task, source=source, stamp=stamp))
-    computed = process_tasks(todo, jobs)
+    computed = _largest_first(todo, jobs)
     for known, key in plan:
         if known is not None:
             yield known
@@ -91,6 +91,31 @@ def default_jobs() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0)) or 1
     return os.cpu_count() or 1
+
+
+def _largest_first(tasks: Sequence[Task], jobs: Optional[int]) -> Iterator[FileResult]:
+    """`process_tasks` with the largest files started first, so that one big file does not
+    run alone at the end while the other workers idle; results still in input order."""
+    if len(tasks) < 2 or max(1, jobs or default_jobs()) < 2:
+        yield from process_tasks(tasks, jobs)
+        return
+
+    def size(task: Task) -> int:
+        if task.source is not None:
+            return len(task.source)
+        try:
+            return os.stat(task.path).st_size
+        except OSError:
+            return 0
+
+    order = sorted(range(len(tasks)), key=lambda i: -size(tasks[i]))
+    done: Dict[int, FileResult] = {}
+    following = 0
+    for i, result in zip(order, process_tasks([tasks[i] for i in order], jobs)):
+        done[i] = result
+        while following in done:
+            yield done.pop(following)
+            following += 1
 
 
 def process_tasks(tasks: Sequence[Task], jobs: Optional[int] = None) -> Iterator[FileResult]:
