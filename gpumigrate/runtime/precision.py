@@ -74,20 +74,24 @@ def amp_dtype(where: Where) -> Optional[torch.dtype]:
     The environment variable `GPUMIGRATE_AMP` overrides the choice for every device: `off`,
     `fp16`/`float16` or `bf16`/`bfloat16` (for example to debug a run in float32, or to
     exercise loss scaling on a CPU)."""
+    return _dtype_on(_device_type(where))
+
+
+def _dtype_on(device_type: str) -> Optional[torch.dtype]:
     chosen = os.environ.get("GPUMIGRATE_AMP", "").strip().lower()
     if chosen:
         if chosen not in _AMP_NAMES:
             raise ValueError(f"GPUMIGRATE_AMP={chosen!r}: use one of {', '.join(_AMP_NAMES)}")
         return _AMP_NAMES[chosen]
-    return _AMP_DTYPES.get(_device_type(where))
+    return _AMP_DTYPES.get(device_type)
 
 
 def autocast(where: Where, enabled: bool = True) -> torch.autocast:
     """`torch.autocast` on the device of `where` (a device, or the model about to run, or a
     tensor) with the dtype of `amp_dtype`: one script runs in float16 on CUDA, bfloat16 on a
     CPU, float32 when switched off."""
-    dtype = amp_dtype(where)
-    device_type = _device_type(where)
+    device_type = _device_type(where)  # once: this runs every step
+    dtype = _dtype_on(device_type)
     # autocast checks its dtype even when it is off: give it one every device accepts
     return torch.autocast(device_type=device_type, dtype=dtype or _AMP_DTYPES.get(device_type, torch.bfloat16),
                           enabled=enabled and dtype is not None)
