@@ -159,6 +159,7 @@ class Values:
         self._memo: Dict[Tuple[int, float], str] = {}
         self._busy: Set[Tuple[int, float]] = set()
         self._class_kinds: Dict[int, str] = {}
+        self._unpacking: Set[Tuple[int, Tuple[int, ...]]] = set()  # unpacked() queries under way
 
     # -- entry points --------------------------------------------------------------------
     def of(self, expr: cst.BaseExpression, at: Optional[float] = None) -> str:
@@ -466,14 +467,13 @@ class Values:
             return self.expr(value, scope, at)
         # a recursive function returning its own call (`return f(x - 1)`): no new fact
         key = (id(value), path)
-        active = self.__dict__.setdefault("_unpacking", set())
-        if key in active:
+        if key in self._unpacking:
             return NEUTRAL  # the other returns decide
-        active.add(key)
+        self._unpacking.add(key)
         try:
             return self._unpacked(value, path, scope, at)
         finally:
-            active.discard(key)
+            self._unpacking.discard(key)
 
     def _unpacked(self, value: cst.BaseExpression, path: Tuple[int, ...], scope: Scope, at: float) -> str:
         if isinstance(value, (cst.Tuple, cst.List)):

@@ -10,10 +10,10 @@ import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.structure import dotted
-from gpumigrate.codemods.amp_plan import AmpPlan, amp_plan
+from gpumigrate.codemods.amp_plan import AmpPlan, _forward_call, amp_plan
 from gpumigrate.codemods.distributed import _APEX_PARALLEL
 from gpumigrate.codemods.base import Clean, Flagged, Rule
-from gpumigrate.codemods.helpers import call_method, get_arg, keyword_arg, literal_str, runtime_name
+from gpumigrate.codemods.helpers import call_method, get_arg, keyword_arg, literal_str, runtime_name, torch_name
 
 _HEAD = "import torch\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
 
@@ -158,8 +158,10 @@ class AmpSetup(Rule):
             return None
         before: List[cst.BaseStatement] = []
         after: List[cst.BaseStatement] = []
-        if id(original) in self.plan.inline:
+        inline = id(original) in self.plan.inline
+        if inline:
             self.report(original, "the loss is named and computed under autocast")
+            updated = self._name_the_loss(original, updated)
         if id(original) in self.plan.unscale_before:
             before = [_line(_scaler_call(self.plan, "unscale_", [cst.parse_expression(o)]))
                       for o in self.plan.unscale_before[id(original)]]
@@ -167,9 +169,7 @@ class AmpSetup(Rule):
             after.append(_line(_scaler_call(self.plan, "update", [])))
         if id(original) in self.restored:
             after.append(self._restore_scaler(original))
-        if id(original) in self.plan.inline:
-            updated = self._name_the_loss(original, updated)
-        if not before and not after and id(original) not in self.plan.inline:
+        if not before and not after and not inline:
             return None
         if before:
             before[0] = before[0].with_changes(leading_lines=updated.leading_lines)
@@ -181,8 +181,6 @@ class AmpSetup(Rule):
     def _name_the_loss(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
         """`model(x).sum().backward()` -> the loss named and computed under autocast, then
         its scaled backward (backward itself does not run under autocast)."""
-        if id(original) not in self.plan.inline:
-            return updated
         backward = updated.body[0].value  # already `scaler.scale(R).backward(...)`
         scale = backward.func.value
         loss = scale.args[0].value
@@ -230,19 +228,23 @@ class AmpSetup(Rule):
         return updated.with_changes(body=body)
 
     # -- checkpoints ----------------------------------------------------------------------
+    def _is_optimizer(self, expr: cst.BaseExpression) -> bool:
+        return script_model(self.ctx).kind(expr) == "optimizer" or "optim" in (dotted(expr) or "").lower()
+
+    def _apex_state(self) -> bool:
+        """apex's `amp.state_dict()`/`load_state_dict` carry the scale (GM501 moves them)."""
+        return "amp" in self.ctx.names.local
+
     def _optimizer_state(self, expr: cst.BaseExpression) -> bool:
-        if not (isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and
-                expr.func.attr.value == "state_dict"):
-            return False
-        return script_model(self.ctx).kind(expr.func.value) == "optimizer" or \
-            "optim" in (dotted(expr.func.value) or "").lower()
+        return isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and \
+            expr.func.attr.value == "state_dict" and self._is_optimizer(expr.func.value)
 
     def _checkpoint(self, d: cst.Dict) -> bool:
         """`{..., 'optimizer': opt.state_dict()}`: a checkpoint, wherever it goes (torch.save,
         a save_checkpoint() of the script's, a variable saved later)."""
         keys = {getattr(e.key, "evaluated_value", None) for e in d.elements if isinstance(e, cst.DictElement)}
         return "scaler" not in keys and any(isinstance(e, cst.DictElement) and self._optimizer_state(e.value)
-                                            for e in d.elements) and "amp" not in self.ctx.names.local
+                                            for e in d.elements) and not self._apex_state()
 
     def _save_scaler(self, d: cst.Dict) -> cst.Dict:
         elements = list(d.elements)
@@ -258,7 +260,7 @@ class AmpSetup(Rule):
 
     def _restores_optimizer(self) -> List[cst.SimpleStatementLine]:
         """`opt.load_state_dict(checkpoint['optimizer'])` lines: the scaler's state follows."""
-        if "amp" in self.ctx.names.local:
+        if self._apex_state():
             return []
         model = script_model(self.ctx)
         out = []
@@ -266,7 +268,7 @@ class AmpSetup(Rule):
             if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and
                     call.func.attr.value == "load_state_dict" and len(call.args) == 1):
                 continue
-            if not (model.kind(call.func.value) == "optimizer" or "optim" in (dotted(call.func.value) or "").lower()):
+            if not self._is_optimizer(call.func.value):
                 continue
             arg = call.args[0].value
             if isinstance(arg, cst.Subscript) and isinstance(arg.value, cst.Name):
@@ -351,7 +353,6 @@ class ApexAmp(_MigratedByAmp):
         self.plan = amp_plan(self.ctx)
         s = script_model(self.ctx).s
         imports = {id(n) for n in s.index.order if isinstance(n, (cst.Import, cst.ImportFrom))}
-        self.apex_names = {local for local, q in self.ctx.names.local.items() if q.split(".")[0] == "apex"}
         # what is left of apex after the migration: a reviewer must remove it by hand
         self.leftovers: List[cst.CSTNode] = []
         for n in s.index.order:
@@ -532,6 +533,16 @@ def _imports_apex_amp(node: cst.ImportFrom) -> bool:
     return module == "apex.amp"
 
 
+def _whole_line(small: cst.CSTNode, call: Optional[cst.CSTNode], halves: set) -> bool:
+    """`model.half()` or `x = x.half()`: a statement that is nothing but one of `halves`."""
+    if call is None or id(call) not in halves or getattr(small, "value", None) is not call:
+        return False
+    if isinstance(small, cst.Expr):
+        return True
+    return isinstance(small, cst.Assign) and len(small.targets) == 1 and \
+        small.targets[0].target.deep_equals(call.func.value)
+
+
 class HalfTraining(_MigratedByAmp):
     """
     ## What it does
@@ -587,16 +598,10 @@ class HalfTraining(_MigratedByAmp):
     def leave_SimpleStatementLine(self, original, updated):
         """`model.half()` alone on its line goes, and so does `x = x.half()`."""
         small = original.body[0] if len(original.body) == 1 else None
-        if isinstance(small, cst.Assign) and len(small.targets) == 1 and id(small.value) in self.halves and \
-                small.targets[0].target.deep_equals(small.value.func.value):
-            self.report(small.value)
-            if self.plan.applies:
-                return self.ctx.remove_statement(updated)
-        if isinstance(small, cst.Expr) and id(small.value) in self.halves:
-            self.report(original.body[0].value)
-            if self.plan.applies:
-                return self.ctx.remove_statement(updated)
-        return None
+        if small is None or not _whole_line(small, getattr(small, "value", None), self.halves):
+            return None
+        self.report(small.value)
+        return self.ctx.remove_statement(updated) if self.plan.applies else None
 
     def leave_If(self, original: cst.If, updated: cst.If):
         """`else: x = x.half()` emptied: the `else` goes."""
@@ -613,10 +618,7 @@ class HalfTraining(_MigratedByAmp):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if id(original) not in self.halves:
             return None
-        stmt = script_model(self.ctx).s.statement(original)
-        if isinstance(stmt, cst.Expr) and stmt.value is original or isinstance(stmt, cst.Assign) and \
-                stmt.value is original and len(stmt.targets) == 1 and stmt.targets[0].target.deep_equals(
-                    original.func.value):
+        if _whole_line(script_model(self.ctx).s.statement(original), original, self.halves):
             return None  # the whole line goes (above)
         self.report(original)
         if not self.plan.applies:
@@ -723,11 +725,11 @@ class DeprecatedCudaAmp(Rule):
             self.report(original)
             if self.agnostic:
                 return cst.Call(func=runtime_name(self.ctx, "grad_scaler", self.fixing), args=_last(updated.args))
-            return cst.Call(func=cst.parse_expression(self._torch("amp.GradScaler")), args=[cuda, *updated.args])
+            return cst.Call(func=torch_name(self.ctx, "amp.GradScaler", self.fixing), args=[cuda, *updated.args])
         keywords = _keywords(updated.args, _AUTOCAST_POSITIONS)
         if keywords is None:  # *args or **kwargs: keep them as they are, after the device
             self.report(original)
-            return cst.Call(func=cst.parse_expression(self._torch("autocast")), args=[cuda, *updated.args])
+            return cst.Call(func=torch_name(self.ctx, "autocast", self.fixing), args=[cuda, *updated.args])
         args = [keyword_arg(k, v) for k, v in keywords]
         if self.agnostic:
             self.report(original)
@@ -738,27 +740,17 @@ class DeprecatedCudaAmp(Rule):
             self.report(original, "kept on CUDA (`torch.autocast(\"cuda\")`), as the arguments or the model of "
                                   "this file's autocasts are not plain: on a CPU or a Mac it runs in float32",
                         review=True)
-        return cst.Call(func=cst.parse_expression(self._torch("autocast")), args=_last([cuda, *args]))
-
-    def _torch(self, attr: str) -> str:
-        local = self.ctx.names.local_name_for(f"torch.{attr}")
-        if local is not None:
-            return local
-        if self.fixing:
-            self.ctx.add_import("torch")
-        return f"torch.{attr}"
+        return cst.Call(func=torch_name(self.ctx, "autocast", self.fixing), args=_last([cuda, *args]))
 
     def _forward_in_with(self, call: cst.Call, model) -> Optional[cst.BaseExpression]:
         """The trained model the `with` this call opens runs first."""
-        from gpumigrate.codemods.amp_plan import _forward_call
-
         parent = model.s.parent(call)
         with_node = model.s.parent(parent) if isinstance(parent, cst.WithItem) else None
         if not isinstance(with_node, cst.With):
             return None
-        trained = {t.name for t in model.trained_models if not t.loss_module}
+        plan = amp_plan(self.ctx)
         for stmt in with_node.body.body:
-            found = _forward_call(amp_plan(self.ctx), stmt, trained)
+            found = _forward_call(plan, stmt, plan.trained)
             if found is not None:
                 return found
         return None

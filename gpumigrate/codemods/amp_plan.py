@@ -68,6 +68,11 @@ class AmpPlan:
     def model(self):
         return script_model(self.ctx)
 
+    @cached_property
+    def trained(self) -> Set[str]:
+        """Names of the models the optimizers train (loss modules aside)."""
+        return {t.name for t in self.model.trained_models if not t.loss_module}
+
     # -- what the rules write -----------------------------------------------------------
     def define_scaler(self, fixing: bool) -> None:
         if not fixing or self._defined:
@@ -113,11 +118,8 @@ def _build(ctx: FileContext) -> AmpPlan:
     try:
         _find_halves(plan)
         _plan_training(plan)
-    except _NotProven as reason:
-        plan.why_not = str(reason)
-        plan.slices, plan.backwards, plan.steps, plan.update_after = [], set(), set(), set()
-        plan.unscale_before, plan.scale_loss_withs, plan.inline = {}, set(), {}
-        return plan
+    except _NotProven as reason:  # nothing of the half-made plan applies; GM502 still lists the halves
+        return AmpPlan(ctx, why_not=str(reason), halves=plan.halves, kept_halves=plan.kept_halves)
     plan.active = bool(plan.steps)
     if not plan.active:
         plan.why_not = "no `optimizer.step()` was found for its `.backward()`"
@@ -134,8 +136,7 @@ class _NotProven(Exception):
 
 
 def _plan_training(plan: AmpPlan) -> None:
-    model, s, qualify = plan.model, plan.model.s, plan.ctx.names.qualify
-    trained = {t.name for t in model.trained_models if not t.loss_module}
+    model, s, qualify, trained = plan.model, plan.model.s, plan.ctx.names.qualify, plan.trained
     if not trained:
         raise _NotProven("no model an optimizer trains was found")
     # backward calls: `X.backward(...)` alone on its line, or apex's `with amp.scale_loss(...) as s`
@@ -189,8 +190,9 @@ def _find_halves(plan: AmpPlan) -> None:
         if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and
                 call.func.attr.value == "half" and not call.args):
             continue
-        if model.module_like(call.func.value) or any(
-                id(a) in loop_ids or isinstance(a, (cst.For, cst.While)) and model.trains(a) for a in s.ancestors(call)):
+        in_loop = any(id(a) in loop_ids or isinstance(a, (cst.For, cst.While)) and model.trains(a)
+                      for a in s.ancestors(call))
+        if model.module_like(call.func.value) or in_loop:
             plan.halves.append(call)
         else:
             plan.kept_halves.append(call)
@@ -343,7 +345,7 @@ def _slice_forward(plan: AmpPlan, member: cst.CSTNode, block: cst.CSTNode, train
                         end -= 1  # `optimizer.zero_grad()`, `print(...)`: nothing autocast changes
                 plan.slices.append(Slice(block, i, end, found))
                 plan.anchored.add((id(block), k))
-                _check_numpy(plan, body[k + 1:])
+                plan.numpy_after.extend(_numpy_calls(plan, body[k + 1:]))
                 return
         parent = s.parent(block)
         if not isinstance(parent, (cst.If, cst.Else, cst.With, cst.Try)) or isinstance(parent, cst.With) and \
@@ -372,19 +374,17 @@ def _inert(stmt: cst.CSTNode) -> bool:
     return isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(small, cst.Expr) for small in stmt.body)
 
 
-def _check_numpy(plan: AmpPlan, rest: List[cst.CSTNode]) -> None:
-    for stmt in rest:
-        for call in plan.model.s.inside(stmt, cst.Call):
-            if isinstance(call.func, cst.Attribute) and call.func.attr.value == "numpy":
-                plan.numpy_after.append(call)
+def _numpy_calls(plan: AmpPlan, statements: List[cst.CSTNode]) -> List[cst.Call]:
+    """`.numpy()` calls in these statements: bfloat16 has no NumPy dtype."""
+    return [call for stmt in statements for call in plan.model.s.inside(stmt, cst.Call)
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value == "numpy"]
 
 
 def _slice_evaluation(plan: AmpPlan) -> None:
     """Evaluation loops run their forward pass, and what follows it in the loop body, under
     autocast (no scaler: nothing is backpropagated). A loop that turns results into NumPy
     arrays is left in full precision (bfloat16 has no NumPy dtype) and reported."""
-    model = plan.model
-    trained = {t.name for t in model.trained_models if not t.loss_module}
+    model, trained = plan.model, plan.trained
     for loader in model.loaders:
         for c in loader.consumers:
             loop = c.node
@@ -392,12 +392,16 @@ def _slice_evaluation(plan: AmpPlan) -> None:
                     model.trains(loop):
                 continue
             body = list(loop.body.body)
-            start = next((i for i, stmt in enumerate(body) if _forward_call(plan, stmt, trained) is not None), None)
+            start, found = None, None
+            for i, stmt in enumerate(body):
+                found = _forward_call(plan, stmt, trained)
+                if found is not None:
+                    start = i
+                    break
             if start is None or any(sl.block is loop.body for sl in plan.slices):
                 continue
-            numpy = [call for stmt in body[start:] for call in model.s.inside(stmt, cst.Call)
-                     if isinstance(call.func, cst.Attribute) and call.func.attr.value == "numpy"]
+            numpy = _numpy_calls(plan, body[start:])
             if numpy:
                 plan.eval_numpy.extend(numpy)
                 continue
-            plan.slices.append(Slice(loop.body, start, len(body), _forward_call(plan, body[start], trained)))
+            plan.slices.append(Slice(loop.body, start, len(body), found))

@@ -24,7 +24,7 @@ from gpumigrate.analysis.devices import (  # noqa: F401  (rules import these fro
     cuda_type_dtype,
     torch_device_index,
 )
-from gpumigrate.codemods.helpers import findall, fresh_name, get_arg, literal_int, runtime_name
+from gpumigrate.codemods.helpers import findall, fresh_name, get_arg, literal_int, runtime_name, torch_name
 from gpumigrate.rewriter.engine import FileContext
 
 
@@ -55,11 +55,7 @@ class DevicePlan:
         return cst.Name(self.name or "device")
 
     def torch_name(self, attr: str) -> cst.BaseExpression:
-        local = self.ctx.names.local_name_for(f"torch.{attr}")
-        if local is None:
-            self.ctx.add_import("torch")
-            local = f"torch.{attr}"
-        return cst.parse_expression(local)
+        return torch_name(self.ctx, attr)
 
     def definition_value(self) -> cst.BaseExpression:
         if self.distributed_definition:

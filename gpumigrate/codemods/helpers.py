@@ -96,6 +96,17 @@ def runtime_name(ctx, name: str, fixing: bool = True) -> cst.Name:
     return cst.Name(local)
 
 
+def torch_name(ctx, attr: str, fixing: bool = True) -> cst.BaseExpression:
+    """How the script names `torch.<attr>`: its own import of it, else `torch.<attr>` (with
+    `import torch` added when `fixing`)."""
+    local = ctx.names.local_name_for(f"torch.{attr}")
+    if local is None:
+        if fixing:
+            ctx.add_import("torch")
+        local = f"torch.{attr}"
+    return cst.parse_expression(local)
+
+
 def fresh_name(ctx, base: str) -> str:
     """`base`, or `base2`, `base3`... whichever the script does not use anywhere."""
     taken = ctx.shared("identifiers", lambda c: _identifiers(c))

@@ -168,13 +168,18 @@ def _children(node: cst.CSTNode) -> List[cst.CSTNode]:
     return out
 
 
-def _fast_index_works() -> bool:
+@functools.lru_cache(maxsize=1)
+def _readable_libcst() -> bool:
     """Whether LibCST's sources can be read here (not in a zipped install, say)."""
     try:
         _child_fields(cst.Module)
         return True
     except (OSError, TypeError, ValueError):
         return False
+
+
+def _fast_traversal() -> bool:
+    return FAST_TRAVERSAL and _readable_libcst()
 
 
 class NodeIndex(cst.CSTVisitor):
@@ -298,7 +303,7 @@ class FileContext:
         """The original tree's node index, built on first use."""
         if self._index is None:
             self._index = NodeIndex()
-            if FAST_TRAVERSAL and _fast_index_works():
+            if _fast_traversal():
                 self._index.build(self.module)
             else:
                 self.module.visit(self._index)
@@ -763,7 +768,7 @@ def process(
         active = [rule(ctx) for rule in rules if _applies(rule, text)]
         if not active:
             new_module = module
-        elif ctx.fixing or not (FAST_TRAVERSAL and _fast_index_works()):
+        elif ctx.fixing or not _fast_traversal():
             new_module = module.visit(_Dispatch(ctx, active))
         else:  # nothing to rewrite: walk the index, rebuild nothing
             _Dispatch(ctx, active).observe(ctx.index)

@@ -10,8 +10,7 @@ import os
 import signal
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from gpumigrate.rewriter.cache import Cache, run_key
@@ -71,7 +70,7 @@ def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[C
             plan.append((hit, None))
             continue
         plan.append((None, key))
-        todo.append(dataclasses.replace(task, source=source, stamp=stamp))
+        todo.append(replace(task, source=source, stamp=stamp))
     computed = _largest_first(todo, jobs)
     for known, key in plan:
         if known is not None:

@@ -157,7 +157,8 @@ def grad_scaler(where: Optional[Where] = None, enabled: bool = True) -> Any:
     `where`, a `GradScaler` that finds its device at the first `scale(loss)`."""
     if where is None:
         return GradScaler(enabled)
-    return torch.amp.GradScaler(_device_type(where), enabled=enabled and amp_dtype(where) == torch.float16)
+    device_type = _device_type(where)
+    return torch.amp.GradScaler(device_type, enabled=enabled and _dtype_on(device_type) == torch.float16)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
