@@ -10,6 +10,7 @@ The corpus: every k-th `.py` file of the installed torch package that mentions `
 - `gpumigrate --to ddp --diff` at its default;
 - a cached re-run of `gpumigrate lint` (the pre-commit and CI case), after a first run;
 - TorchFix at its default, when it is installed;
+- that lint's findings are the same with and without its gates (in this process);
 - `gpumigrate --help` and `--version`; the peak RSS of each child.
 """
 
@@ -67,6 +68,27 @@ def child(args: Sequence[str], cwd: Path, env: Optional[Dict[str, str]] = None) 
     return {"seconds": float(wall), "peak_rss_mb": float(rss), "exit": int(code)}
 
 
+def same_findings(files: Sequence[Path]) -> str:
+    """Lint in this process with the gates (stdlib-ast pre-checks, data literals emptied) and
+    without: the optimisations must not change a finding (issue 11)."""
+    from gpumigrate.codemods import select
+    from gpumigrate.rewriter import engine
+    from gpumigrate.rewriter.names import ImportTable
+
+    rules, differ = select([], []), []
+    for path in files:
+        source = path.read_bytes()
+        found = []
+        for flag in (True, False):
+            engine.GATES = flag
+            result = engine.process(source, str(path), rules, names_factory=ImportTable)
+            found.append((result.error, result.findings))
+        engine.GATES = True
+        if found[0] != found[1] and "LibCST cannot parse" not in str(found[1][0]):
+            differ.append(path.name)
+    return f"identical on all {len(files)} files" if not differ else f"DIFFER on {len(differ)}: {differ[:5]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=int, default=12, help="every k-th torch file (default 12)")
@@ -101,6 +123,7 @@ def main() -> None:
         rows["--version"] = child([*gm, "--version"], folder)
         if not args.no_torchfix and shutil.which("torchfix"):
             rows["TorchFix (default -j)"] = child(["torchfix", str(folder)], folder)
+        exact = same_findings(files)
     parse = rows["libcst.parse_module"]["seconds"]
     first = rows["lint (default -j)"]["seconds"]
     ratios = {
@@ -111,6 +134,8 @@ def main() -> None:
     }
     if "TorchFix (default -j)" in rows:
         ratios["TorchFix / lint, both default (target >= 10)"] = rows["TorchFix (default -j)"]["seconds"] / first
+    print(f"\nlint -j 1 peak RSS: {rows['lint -j 1']['peak_rss_mb']:.0f} MB (target <= 300)")
+    print(f"findings with and without the gates: {exact}")
     print("\n| step | seconds | peak RSS |\n|---|---|---|")
     for name, row in rows.items():
         rss = f"{row['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in row else ""
@@ -120,7 +145,7 @@ def main() -> None:
         print(f"| {name} | {value:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"files": len(files), "megabytes": size, "cpus": os.cpu_count(),
-                                               "rows": rows, "ratios": ratios}, indent=2))
+                                               "rows": rows, "ratios": ratios, "gates_exact": exact}, indent=2))
 
 
 if __name__ == "__main__":

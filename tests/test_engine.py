@@ -210,3 +210,102 @@ def test_the_fast_traversal_gives_what_libcsts_visits_give(monkeypatch):
         assert found[True] == found[False], path
         compared += 1
     assert compared > 40
+
+
+def _gate_sample():
+    """The fixtures, every rule's own examples, and a sample of the torch package."""
+    import torch
+
+    from gpumigrate.codemods import ALL_RULES
+    from tests.conftest import FIXTURES
+
+    package = Path(torch.__file__).parent
+    for path in sorted((FIXTURES / "scripts").glob("*.py")) + sorted(package.rglob("*.py"))[::41]:
+        yield str(path), path.read_bytes()
+    for rule in ALL_RULES:
+        for i, example in enumerate(rule.examples):
+            yield f"{rule.code}-example-{i}.py", example.code.encode()
+
+
+def test_gates_change_no_finding(monkeypatch):
+    """Lint asks each rule's gate (stdlib `ast` facts) whether it can report on a file, and
+    skips LibCST where none can: the findings are exactly those of running every rule (issue
+    11: every optimisation is shown exact). Findings carry their code, so one rule's wrong
+    gate shows even where another rule reports on the same line."""
+    import ast
+
+    from gpumigrate.codemods import select
+    from gpumigrate.rewriter import engine as E
+    from gpumigrate.rewriter.facts import SourceFacts
+    from gpumigrate.rewriter.names import ImportTable
+
+    rules = select([], [])
+    compared = pairs = gated = 0
+    for path, source in _gate_sample():
+        found = {}
+        for flag in (True, False):
+            monkeypatch.setattr(E, "GATES", flag)
+            result = E.process(source, path, rules, names_factory=ImportTable)
+            found[flag] = (result.error, result.findings)
+        if found[False][0] and "LibCST cannot parse" in found[False][0]:
+            continue  # a file no rule can report on is not handed to LibCST at all
+        assert found[True] == found[False], path
+        compared += 1
+        try:
+            facts = SourceFacts.of(ast.parse(source), source.decode("utf-8", "replace"))
+        except (SyntaxError, ValueError):
+            continue
+        pairs += len(rules)
+        gated += sum(not rule.gate(facts) for rule in rules)
+    assert compared > 250
+    assert gated > pairs * 0.6, (gated, pairs)  # the gates do turn rules off: the test compares something
+
+
+def test_large_constant_data_is_not_handed_to_libcst(monkeypatch):
+    """A large constant-only table bound to a name is emptied, its lines kept, before lint's
+    LibCST parse (LibCST holds ~1.8 KB per byte): findings before, after and on the lines of
+    the table's own statement keep their lines and columns, and match the unoptimised run."""
+    import ast
+
+    from gpumigrate.codemods import select
+    from gpumigrate.rewriter import engine as E
+    from gpumigrate.rewriter.facts import without_data
+    from gpumigrate.rewriter.names import ImportTable
+
+    rows = "".join(f"    ({i}, 'row {i}', -{i}.5, None): [{i}, ({i}, True)],  # é {i}\n" for i in range(900))
+    source = ("import torch\nx = torch.ones(2).cuda()\n"
+              f"TABLE: dict = {{  # data\n{rows}}}  # end\n"
+              "KEYS = [\n" + "".join(f"    'k{i}',\n" for i in range(1500)) + "]; y = x.cuda()\n"
+              "class C:\n    ROWS = (\n" + rows.replace(": [", ", [") + "    )\n"
+              "z = torch.ones(1).cuda(); w = z.cuda()\n")
+    text = without_data(source, ast.parse(source))
+    assert len(text) < len(source) / 4 and text.count("\n") == source.count("\n")
+    assert "KEYS = [" in text and "'k1499'" in text  # code follows it on its last line: kept
+    assert "TABLE: dict = {\n" in text and "}  # end\n" in text
+    found = {}
+    for flag in (True, False):
+        monkeypatch.setattr(E, "GATES", flag)
+        found[flag] = E.process(source.encode(), "t.py", select([], []), names_factory=ImportTable).findings
+    assert found[True] == found[False]
+    assert [(f.code, f.line, f.col) for f in found[True]] == [
+        ("GM101", 2, 18), ("GM101", 2406, 9), ("GM101", 3310, 18), ("GM101", 3310, 32)]
+    # Dotted names in data are kept, each at its line and column, in the containers around it.
+    named = "import torch\nT = {\n" + "".join(f"    ('k{i}', (torch.float16, {i})): [1, torch.cuda.FloatTensor],\n"
+                                 for i in range(1000)) + "}\nx = T['k1'] if 'k2' in T else T.get(0)\n"
+    pruned = without_data(named, ast.parse(named))
+    assert not any(isinstance(n, ast.Constant) for n in ast.walk(ast.parse(pruned.split("}\n")[0][13:] + "}")))
+
+    def names(code):
+        return sorted((n.lineno, n.col_offset, ast.unparse(n)) for n in ast.walk(ast.parse(code))
+                      if isinstance(n, ast.Attribute))
+
+    assert names(pruned) == names(named)
+    assert pruned.splitlines()[2] == "    (      (torch.float16,  ),):[   torch.cuda.FloatTensor,],"
+    found = {}
+    for flag in (True, False):
+        monkeypatch.setattr(E, "GATES", flag)
+        found[flag] = E.process(named.encode(), "t.py", select([], []), names_factory=ImportTable).findings
+    assert found[True] == found[False] and len(found[True]) == 1000  # GM102 on each FloatTensor
+    # Unpacked, passed on or aliased, its elements may be what the analysis reads: kept whole.
+    for use in ("a, b = T", "f(T)", "U = T"):
+        assert without_data(named + use, ast.parse(named + use)) == named + use

@@ -14,6 +14,7 @@ from gpumigrate.codemods.amp_plan import AmpPlan, _forward_call, amp_plan
 from gpumigrate.codemods.distributed import _APEX_PARALLEL
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.helpers import call_method, get_arg, keyword_arg, literal_str, runtime_name, torch_name
+from gpumigrate.rewriter.facts import SourceFacts
 
 _HEAD = "import torch\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
 
@@ -337,6 +338,12 @@ class ApexAmp(_MigratedByAmp):
     message = "NVIDIA apex's amp is deprecated; use torch.amp (autocast and GradScaler)"
     fixed_in = frozenset({"amp"})
     triggers = ("apex",)
+
+    # a name qualified as apex.* or an import from apex: `apex` is an identifier
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "apex" in facts.ids
+
     examples = (
         Flagged(_HEAD + "from apex import amp\nmodel, opt = amp.initialize(model, opt, opt_level='O1')\n"
                 "for x, y in loader:\n    loss = model(x).sum()\n    with amp.scale_loss(loss, opt) as scaled:\n"
@@ -347,6 +354,7 @@ class ApexAmp(_MigratedByAmp):
                 "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"),
         Flagged("try:\n    from apex import amp\nexcept ImportError:\n    raise ImportError('install apex')\n"),
         Clean("import torch\nscaler = torch.amp.GradScaler()\n"),
+        Clean("import apexlib\napexlib.helper()\n"),  # not apex
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -360,7 +368,7 @@ class ApexAmp(_MigratedByAmp):
                 continue
             qualified = self.qualify(n) or ""
             parent = s.parent(n)
-            if not qualified.startswith("apex") or isinstance(parent, cst.Attribute) and parent.value is n:
+            if qualified.split(".")[0] != "apex" or isinstance(parent, cst.Attribute) and parent.value is n:
                 continue  # not apex, or the inner part of a longer name
             if qualified not in _APEX_MIGRATED and qualified not in _APEX_PARALLEL:
                 self.leftovers.append(n)
@@ -576,6 +584,14 @@ class HalfTraining(_MigratedByAmp):
     message = "`.half()` training has no loss scaling and float16 weights; use autocast (--to amp)"
     fixed_in = frozenset({"amp"})
     triggers = ("half",)
+
+    # an argument-less `.half()` in a file the amp plan reads: torch (or the runtime) imported,
+    # and a `.backward()` or `.step()` call
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("half") and ("torch" in facts.ids or facts.id_containing("gpumigrate")) and (
+            facts.any_call("step") or "backward" in facts.ids)
+
     examples = (
         Flagged(_HEAD + "model.half()\nfor x, y in loader:\n    loss = model(x.half()).sum()\n    loss.backward()\n"
                 "    opt.step()\n",
@@ -690,6 +706,12 @@ class DeprecatedCudaAmp(Rule):
     message = "`torch.cuda.amp` is deprecated and CUDA-only; use `torch.amp`"
     fixed_in = frozenset({"amp"})
     triggers = ("amp",)
+
+    # a call qualified as torch.cuda.amp's autocast or GradScaler
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return {"torch", "cuda", "amp"} <= facts.ids and facts.any_id("autocast", "GradScaler")
+
     examples = (
         Flagged("import torch\nscaler = torch.cuda.amp.GradScaler(enabled=True)\n",
                 fixed="import torch\nfrom gpumigrate.runtime import grad_scaler\n\n"

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 import libcst as cst
 
 from gpumigrate.rewriter.engine import FileContext
+from gpumigrate.rewriter.facts import SourceFacts
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ class Rule:
 
     def __init__(self, ctx: FileContext) -> None:
         self.ctx = ctx
+
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        """False only where this rule cannot report on the file, whatever its tree: lint
+        (fixing nothing) skips it there, and a file no rule passes is not parsed by LibCST.
+        A rule's gate must be a necessary condition of every report it makes; the default
+        is its text triggers."""
+        return not cls.triggers or any(t in facts.text for t in cls.triggers)
 
     @property
     def fixing(self) -> bool:

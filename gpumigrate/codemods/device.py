@@ -9,6 +9,7 @@ import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
+from gpumigrate.analysis.devices import CUDA_TYPES
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import (
     cuda_string_index,
@@ -26,6 +27,7 @@ from gpumigrate.codemods.helpers import (
     runtime_module,
     with_args,
 )
+from gpumigrate.rewriter.facts import SourceFacts
 from gpumigrate.rewriter.names import dotted
 from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE, VENDORED_MODULE
 
@@ -63,6 +65,12 @@ class CudaCall(Rule):
     message = "`.cuda()` hard-codes the device; use `.to(device)`"
     fixed_in = frozenset({"device"})
     triggers = ("cuda",)
+
+    # every report is a `<expr>.cuda(...)` call
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("cuda")
+
     examples = (
         Flagged(
             "import torch\nx = torch.ones(2).cuda()\n",
@@ -127,6 +135,13 @@ class CudaTensorType(Rule):
     message = "CUDA tensor types exist only on CUDA builds; build tensors with a dtype and a device"
     fixed_in = frozenset({"device"})
     triggers = ("Tensor",)
+
+    # a name qualified as `torch.cuda.<T>Tensor` (each part an identifier), or `.type("torch.cuda.<T>Tensor")`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return (facts.any_id("cuda") and facts.any_id(*CUDA_TYPES)) or (
+            facts.any_call("type") and any(cuda_type_dtype(s) for s in facts.strings))
+
     examples = (
         Flagged(
             "import torch\nTensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor\n"
@@ -234,6 +249,13 @@ class HardcodedDevice(Rule):
     message = "hard-coded CUDA device; use the device from `get_device()`"
     fixed_in = frozenset({"device"})
     triggers = ("cuda",)
+
+    # `torch.cuda.set_device`, or a "cuda[:n]" literal in `torch.device(...)`, `device=` or `.to(...)`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id("set_device") or (facts.any_id("device") or facts.any_call("to")) and any(
+            cuda_string_index(s)[0] for s in facts.strings)
+
     examples = (
         Flagged(
             'import torch\ndev = torch.device("cuda:0")\nx = torch.zeros(2, device="cuda")\n',
@@ -401,6 +423,12 @@ class LoadMapLocation(Rule):
     message = "`torch.load` without `map_location` restores tensors onto the device they were saved from"
     fixed_in = frozenset({"device"})
     triggers = ("load",)
+
+    # a call qualified as `torch.load`: both parts come from the file's identifiers
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id("load") and facts.any_id("torch")
+
     examples = (
         Flagged(
             "import torch\nstate = torch.load('ckpt.pt')\n",
@@ -451,6 +479,12 @@ class LoadWholeModel(Rule):
                "passing weights_only=False, which runs pickled code; load only files you trust")
     fixed_in = frozenset({"device"})
     triggers = ("load",)
+
+    # a call qualified as `torch.load`: both parts come from the file's identifiers
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id("load") and facts.any_id("torch")
+
     examples = (
         Flagged(
             "import torch\ntorch.save(model, 'm.pt')\nmodel = torch.load('m.pt', map_location='cpu')\nmodel.eval()\n",
@@ -517,6 +551,12 @@ class DiscardedMove(Rule):
     message = "`Tensor.to()` returns a new tensor; the result is discarded"
     reported_in = frozenset({"device"})
     triggers = (".to", ".cuda", ".cpu")
+
+    # every report is a `.to()`, `.cuda()` or `.cpu()` call
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("to", "cuda", "cpu")
+
     examples = (
         Flagged("for data, target in train_loader:\n    data.to(device)\n    output = model(data)\n"),
         Flagged("import torch\nx = torch.randn(4, 3)\nx.cuda()\ny = x * 2\n"),

@@ -16,6 +16,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
+from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp_plan import ddp_plan, main_block
@@ -34,6 +35,7 @@ from gpumigrate.codemods.helpers import (
     same_code,
     with_args,
 )
+from gpumigrate.rewriter.facts import SourceFacts
 
 DATA_PARALLEL = ("torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
                  "torch.nn.parallel.data_parallel.DataParallel")
@@ -279,6 +281,12 @@ class DataParallelWrapper(Rule):
     message = "`nn.DataParallel` is single-process and slower than DistributedDataParallel"
     fixed_in = frozenset({"ddp"})
     triggers = ("DataParallel",)
+
+    # a call qualified as torch.nn('s parallel) DataParallel: every part of the name is an id
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return {"torch", "nn", "DataParallel"} <= facts.ids
+
     examples = (
         Flagged(
             "import torch.nn as nn\nmodel = nn.DataParallel(Net())\nopt = make(model.parameters())\n"
@@ -508,6 +516,13 @@ class ShuffleWithSampler(Rule):
     message = "`shuffle=True` together with a sampler raises; shuffle in the sampler"
     reported_in = frozenset({"ddp"})
     triggers = ("sampler",)
+
+    # torch's DataLoader called, in a file holding "sampler" (the rule runs only there: a
+    # sampler passed by position need not be named)
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return {"torch", "utils", "data", "DataLoader"} <= facts.ids and super().gate(facts)
+
     examples = (
         Flagged("from torch.utils.data import DataLoader\nl = DataLoader(ds, shuffle=True, sampler=s)\n"),
         Clean("from torch.utils.data import DataLoader\nl = DataLoader(ds, shuffle=False, sampler=s)\n"),
@@ -646,6 +661,12 @@ class LegacyLauncher(Rule):
     message = "`--local_rank` comes from the deprecated torch.distributed.launch; torchrun sets LOCAL_RANK"
     fixed_in = frozenset({"ddp"})
     triggers = ("local_rank", "local-rank")
+
+    # `.add_argument(...)` whose first argument is the plain string "--local_rank"/"--local-rank"
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("add_argument") and not facts.strings.isdisjoint(("--local_rank", "--local-rank"))
+
     examples = (
         Flagged(
             "import os\nparser.add_argument('--local_rank', type=int, default=0)\n",
@@ -815,6 +836,14 @@ class BatchNormWithoutSync(Rule):
     message = "BatchNorm under DDP normalises per-process batches; with small per-GPU batches use SyncBatchNorm"
     reported_in = frozenset({"ddp"})
     triggers = ("BatchNorm",)
+
+    # "DistributedDataParallel" in the text (what the rule asks in lint) and a call qualified as
+    # torch.nn's BatchNorm*; SyncBatchNorm's absence is not used (the rule reads data-free text)
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "DistributedDataParallel" in facts.text and {"torch", "nn"} <= facts.ids and \
+            facts.id_containing("BatchNorm")
+
     examples = (
         Flagged("import torch.nn as nn\nbn = nn.BatchNorm2d(8)\nm = nn.parallel.DistributedDataParallel(net)\n"),
         Clean("import torch.nn as nn\nbn = nn.BatchNorm2d(8)\n"),
@@ -871,6 +900,14 @@ class CollectiveInRankBranch(Rule):
     message = "a collective inside a rank-0-only branch hangs the other ranks"
     reported_in = frozenset({"ddp"})
     triggers = ("rank", "main_process", "is_master")
+
+    # a torch.distributed or runtime collective called under an `if` whose test names the rank
+    # (matched in the test's text, comments too: the text triggers)
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "If" in facts.kinds and facts.any_id(*COLLECTIVES, *RUNTIME_COLLECTIVES) and (
+            {"torch", "distributed"} <= facts.ids or facts.id_containing("gpumigrate")) and super().gate(facts)
+
     examples = (
         Flagged("import torch.distributed as dist\nif dist.get_rank() == 0:\n    dist.barrier()\n"),
         Flagged("from gpumigrate.runtime import is_main_process, reduce_sum\nif is_main_process():\n"
@@ -932,6 +969,12 @@ class WrappedAttribute(Rule):
     message = "custom attribute of a wrapped model: `AttributeError` under DDP; use `unwrap_model(model)`"
     fixed_in = frozenset({"ddp"})
     triggers = ("parameters", "DistributedDataParallel", "DataParallel")
+
+    # a name assigned from a call qualified as torch.nn's DataParallel or DistributedDataParallel
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return {"torch", "nn"} <= facts.ids and facts.any_id("DataParallel", "DistributedDataParallel")
+
     examples = (
         Flagged(
             "import torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(net)\nh = model.init_hidden(4)\n",
@@ -1181,6 +1224,13 @@ class ApexParallel(Rule):
     message = "apex.parallel is unmaintained; torch.nn has DistributedDataParallel and SyncBatchNorm"
     fixed_in = frozenset({"ddp", "amp"})  # amp: a migrated apex script needs no apex at all
     triggers = ("apex",)
+
+    # a call qualified as apex.parallel's DistributedDataParallel, convert_syncbn_model or SyncBatchNorm
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return {"apex", "parallel"} <= facts.ids and facts.any_id(
+            "DistributedDataParallel", "convert_syncbn_model", "SyncBatchNorm")
+
     examples = (
         Flagged("import torch\nfrom apex.parallel import DistributedDataParallel as DDP\n"
                 "model = DDP(net, delay_allreduce=True)\n",

@@ -8,6 +8,7 @@ ignored (so evaluation builds graphs), `type(h) == Variable` is always False.
 from __future__ import annotations
 
 import io
+import re
 import tokenize
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -31,8 +32,25 @@ from gpumigrate.codemods.helpers import (
     same_code,
     with_args,
 )
+from gpumigrate.rewriter.facts import SourceFacts
 
 VARIABLE = ("torch.autograd.Variable", "torch.autograd.variable.Variable")
+# `from torch.autograd import Variable as V`: the only way to call it by another name.
+_VARIABLE_AS = re.compile(r"\bVariable(?:\s|\\|#[^\r\n]*[\r\n])*as\b")  # comments end lines: no backtracking
+
+
+# Gates read the stdlib facts: each part of a name the import table qualifies is an
+# identifier of the file (of an import or an attribute), and a call's last name is in `calls`.
+def _calls_variable(facts: SourceFacts) -> bool:
+    return "autograd" in facts.ids and (facts.any_call("Variable") or (
+        "Variable" in facts.ids and _VARIABLE_AS.search(facts.text) is not None))
+
+
+# Every 0-dim kind (values.py) starts at a reduction, a functional loss or a loss module (torch's
+# `*Loss`, a class of the file named for a loss or criterion).
+def _zero_dim_source(facts: SourceFacts) -> bool:
+    return facts.any_id(*v.REDUCTIONS, *v.FUNCTIONAL_LOSSES) or any(
+        "loss" in name.lower() or "criterion" in name.lower() for name in facts.ids)
 
 
 def _is_data_attr(node: cst.CSTNode) -> bool:
@@ -75,6 +93,12 @@ class DataIndexScalar(Rule):
     message = "`.data[0]` on a 0-dim tensor raises since torch 0.4; use `.item()`"
     fixed_in = frozenset({"device"})
     triggers = ("[0]",)
+
+    # `[0]` on `.data`, or on a name the values analysis finds 0-dim
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "[0]" in facts.text and "Subscript" in facts.kinds and ("data" in facts.ids or _zero_dim_source(facts))
+
     examples = (
         Flagged(
             "import torch.nn.functional as F\nloss = F.nll_loss(out, y)\nprint(loss.data[0])\n",
@@ -158,6 +182,12 @@ class VariableWrapper(Rule):
     message = "`Variable` is a no-op since torch 0.4; use the tensor itself"
     fixed_in = frozenset({"device"})
     triggers = ("Variable",)
+
+    # a call whose callee qualifies to `Variable`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return _calls_variable(facts)
+
     examples = (
         Flagged(
             "from torch.autograd import Variable\nx = Variable(data)\n",
@@ -414,6 +444,12 @@ class VolatileFlag(Rule):
     message = "`volatile=True` has no effect since torch 0.4; run this code under `torch.no_grad()`"
     fixed_in = frozenset({"device"})
     triggers = ("volatile",)
+
+    # a `Variable(...)` call with a `volatile=` keyword (the no_grad spans come from those too)
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "volatile" in facts.ids and _calls_variable(facts)
+
     examples = (
         Flagged(
             "import torch\nfrom torch.autograd import Variable\ndef test(x):\n    return model(Variable(x, volatile=True))\n",
@@ -509,6 +545,12 @@ class AsyncKwarg(Rule):
     name = "async-kwarg"
     message = "`async=` is a syntax error since Python 3.7; use `non_blocking=`"
     fixed_in = frozenset({"device"})
+
+    # never: it reports only through `repair`, on files that do not compile, which are not gated
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return False
+
     examples = (
         Flagged("x = y.float().cuda(async=True)\n"),  # repaired before parsing; see the fixtures
         Clean("x = y.to(device, non_blocking=True)\n"),
@@ -571,6 +613,13 @@ class VariableTypeCheck(Rule):
     message = "`type(h) == Variable` is always False since torch 0.4; use `isinstance(h, torch.Tensor)`"
     fixed_in = frozenset({"device"})
     triggers = ("Variable",)
+
+    # `Variable` named in `type(h) == Variable` (a comparison) or in `isinstance(h, Variable)`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return {"Variable", "autograd"} <= facts.ids and (
+            facts.any_call("isinstance") or (facts.any_call("type") and "Compare" in facts.kinds))
+
     examples = (
         Flagged(
             "import torch\nfrom torch.autograd import Variable\nok = type(h) == Variable\n",
@@ -651,6 +700,12 @@ class DataAccumulatorIndex(Rule):
     message = "accumulated `.data` is a 0-dim tensor since torch 0.4: `total[0]` raises; accumulate `.item()`"
     fixed_in = frozenset({"device"})
     triggers = (".data",)
+
+    # a name both `+=`-accumulating a `.data` and indexed with `[0]`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return ".data" in facts.text and "data" in facts.ids and {"AugAssign", "Subscript"} <= facts.kinds
+
     examples = (
         Flagged(
             "total_loss = 0\ntotal_loss += loss.data\nprint(total_loss[0] / 10)\n",
@@ -707,6 +762,12 @@ class IteratorNextMethod(Rule):
     message = "`.next()` on a DataLoader iterator is gone; use `next(it)`"
     fixed_in = frozenset({"device"})
     triggers = (".next()",)
+
+    # `.next()` on a value whose only source of the iterator kind is a plain `iter(...)` call
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return ".next()" in facts.text and facts.any_call("next") and facts.any_call("iter")
+
     examples = (
         Flagged(
             "from torch.utils.data import DataLoader\nit = iter(DataLoader(ds))\nx = it.next()\n",
@@ -755,6 +816,13 @@ class ScalarMetricAccumulation(Rule):
     message = "a 0-dim tensor added into a number: it was a Python number before torch 0.4; use `.item()`"
     fixed_in = frozenset({"device"})
     triggers = ("+=",)
+
+    # a `+=` of a 0-dim value, only in a 0.3-era script (`era_03`: a `Variable` import, `volatile`, `.data[0]`)
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "+=" in facts.text and "AugAssign" in facts.kinds and _zero_dim_source(facts) and (
+            {"Variable", "autograd"} <= facts.ids or "volatile" in facts.text or ".data[0]" in facts.text)
+
     examples = (
         Flagged(
             "from torch.autograd import Variable\ncorrect = 0\nfor x, y in loader:\n"
@@ -833,6 +901,7 @@ _RENAMES = {
     "torch.nn.init.constant": "constant_", "torch.nn.init.orthogonal": "orthogonal_",
     "torch.nn.functional.upsample": "interpolate",
 }
+_OLD_NAMES = frozenset(old.rsplit(".", 1)[1] for old in _RENAMES)
 
 
 def _legacy_tensor_overload(call: cst.Call) -> bool:
@@ -879,6 +948,14 @@ class DeprecatedOverload(Rule):
     name = "deprecated-overload"
     message = "deprecated call form"
     fixed_in = frozenset({"device"})
+
+    # an overload on `.data`/`.grad` or in place (`add_`, `x.mul_(b).add(...)`), else a `torch.nn...` name
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        overload = facts.any_call(*_ALPHA_METHODS, *_VALUE_METHODS) and (
+            facts.any_id("data", "grad") or any(name.endswith("_") for name in facts.calls))
+        return overload or "nn" in facts.ids and (facts.any_call(*_OLD_NAMES) or facts.any_id("size_average", "reduce"))
+
     examples = (
         Flagged("p.data.add_(-lr, p.grad.data)\n", fixed="p.data.add_(p.grad.data, alpha=-lr)\n"),
         Flagged(
@@ -975,6 +1052,12 @@ class DataAttribute(Rule):
     name = "data-attribute"
     message = "`.data` bypasses autograd; use `.detach()` to read, `with torch.no_grad():` to update"
     triggers = (".data",)
+
+    # a `.data` attribute; what its receiver holds comes from kinds too broad to bound by facts
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return ".data" in facts.text and "data" in facts.ids
+
     examples = (
         Flagged("for p in model.parameters():\n    p.data.add_(p.grad.data, alpha=-lr)\n"),
         Flagged("def init(m):\n    m.weight.data.normal_(0.0, 0.02)\n"),

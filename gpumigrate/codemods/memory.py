@@ -16,6 +16,7 @@ import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.structure import dotted, target_names
+from gpumigrate.analysis.values import FUNCTIONAL_LOSSES
 from gpumigrate.codemods.amp_plan import amp_plan
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.helpers import (
@@ -31,6 +32,7 @@ from gpumigrate.codemods.helpers import (
     walk,
 )
 from gpumigrate.codemods.legacy import has_no_grad_decorator, no_grad_decorator, no_grad_with, volatile_plan
+from gpumigrate.rewriter.facts import SourceFacts
 
 
 def _operands(expr: cst.BaseExpression):
@@ -46,6 +48,16 @@ def _itemize_by_position(updated: cst.BaseExpression, original: cst.BaseExpressi
         return updated.with_changes(left=_itemize_by_position(updated.left, original.left, losses),
                                     right=_itemize_by_position(updated.right, original.right, losses))
     return call_method(updated, "item") if id(original) in losses else updated
+
+
+def _loss_evidence(facts: SourceFacts) -> bool:
+    """What the script model needs to prove anything a loss (`is_loss`): a name `.backward()`
+    is called on, or a `torch.nn` name: a functional loss, an `nn.*Loss`, or a module class of
+    the file named like a loss or criterion. Everything else in values.py only passes one on."""
+    return facts.any_call("backward") or facts.any_id("nn") and (
+        facts.any_id("functional") and facts.any_id(*FUNCTIONAL_LOSSES)
+        or any(i.endswith("Loss") for i in facts.ids)
+        or "ClassDef" in facts.kinds and any("loss" in i.lower() or "criterion" in i.lower() for i in facts.ids))
 
 
 def _graph_operand(rule: Rule, expr: cst.BaseExpression) -> bool:
@@ -87,6 +99,12 @@ class TensorAccumulation(Rule):
     message = "accumulating a graph tensor keeps every step's graph alive; use `.item()`"
     fixed_in = frozenset({"device"})
     triggers = ("loss", "criterion", "backward")
+
+    # an `x += ...` or `x = x + ...` whose operand the script model proves a loss
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return bool(facts.kinds & {"AugAssign", "BinOp"}) and _loss_evidence(facts)
+
     examples = (
         Flagged(
             "loss = criterion(out, y)\nloss.backward()\ntotal_loss += loss\n",
@@ -168,6 +186,12 @@ class TensorInContainer(Rule):
     message = "storing a graph tensor keeps its step's graph alive; store `.item()`"
     fixed_in = frozenset({"device"})
     triggers = ("append",)
+
+    # a `.append(x)` of what the script model proves a loss
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("append") and _loss_evidence(facts)
+
     examples = (
         Flagged(
             "loss = criterion(out, y)\nloss.backward()\nlosses.append(loss)\n",
@@ -214,6 +238,7 @@ def _computes_with(model, name: str, at: cst.CSTNode) -> bool:
 
 _EVAL_NAME = re.compile(r"^(test|evaluate|evaluation|eval|validate|validation|valid|predict|inference|infer)"
                         r"(_.*)?$|^(evaluate|validate|predict|infer)")
+_DEF = re.compile(r"\bdef[\s\\]+(\w+)")  # a function's name: `def` and blanks (or `\` line joins) before it
 _TRAIN_MODE = m.Call(func=m.Attribute(attr=m.Name("train")))
 
 
@@ -349,6 +374,16 @@ class EvalWithoutNoGrad(Rule):
     message = "evaluation without `torch.no_grad()` builds graphs it never uses"
     fixed_in = frozenset({"device"})
     triggers = ("eval", "test", "valid", "predict", "infer")
+
+    # `.eval()` marks evaluation code; without it, only a function named like evaluation that
+    # takes a model-like parameter or loops
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("eval") or (
+            bool(facts.kinds & {"For", "AsyncFor"})
+            or any("model" in i.lower() or i.lower() in ("net", "network", "encoder", "decoder") for i in facts.ids)
+        ) and any(_EVAL_NAME.match(d.group(1)) for d in _DEF.finditer(facts.text))
+
     examples = (
         Flagged(
             "import torch\ndef evaluate(model, loader):\n    model.eval()\n    for x, y in loader:\n        out = model(x)\n",
@@ -495,6 +530,12 @@ class HalfBatchNorm(Rule):
     message = "`.half()` puts BatchNorm in float16, which fails to converge; keep BatchNorm in float32"
     fixed_in = frozenset({"device"})
     triggers = ("half",)
+
+    # a `.half()` conversion, and the rule only looks at files that mention BatchNorm
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("half") and "BatchNorm" in facts.text
+
     examples = (
         Flagged(
             "import torch.nn as nn\nmodel = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))\nmodel.half()\n",
@@ -662,6 +703,12 @@ class EmptyCacheInLoop(Rule):
     message = "`empty_cache()` in a loop syncs the GPU and frees the allocator's cache every iteration"
     reported_in = frozenset({"device"})
     triggers = ("empty_cache",)
+
+    # a call qualified as `torch.cuda.empty_cache` / `torch.mps.empty_cache`, inside a loop
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id("empty_cache") and bool(facts.kinds & {"For", "AsyncFor", "While"})
+
     examples = (
         Flagged("import torch\nfor x, y in loader:\n    loss = step(x, y)\n    torch.cuda.empty_cache()\n"),
         Flagged("from torch.cuda import empty_cache\nwhile step < total:\n    if step % 10 == 0:\n"
@@ -761,6 +808,13 @@ class OomRetryLeak(Rule):
     message = "OOM handler retries while the failed step's tensors are alive"
     reported_in = frozenset({"device"})
     triggers = ("except",)
+
+    # a `try` in a loop whose handler catches an OutOfMemoryError or tests an "out of memory" literal
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "Try" in facts.kinds and bool(facts.kinds & {"For", "AsyncFor", "While"}) and (
+            facts.any_id("OutOfMemoryError") or any("out of memory" in s.lower() for s in facts.strings))
+
     examples = (
         Flagged("for x, y in loader:\n    try:\n        out = model(x)\n        loss = crit(out, y)\n"
                 "        loss.backward()\n    except RuntimeError as e:\n        if 'out of memory' in str(e):\n"

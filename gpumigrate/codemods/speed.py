@@ -26,6 +26,7 @@ from gpumigrate.codemods.helpers import (
     moves_to,
     walk,
 )
+from gpumigrate.rewriter.facts import SourceFacts
 
 
 _TRAIN = re.compile(r"(^|_|pre|re)train")
@@ -82,6 +83,14 @@ class LoaderNoWorkers(Rule):
     name = "loader-no-workers"
     message = "training `DataLoader` loads batches in the training process; set `num_workers`"
     triggers = ("DataLoader",)
+
+    # a call qualified as torch's DataLoader, bound to a name, key or function named like
+    # training, or iterated by a loop calling `.backward()` / `.step()`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id("DataLoader") and facts.any_id("torch") and (
+            facts.any_call("backward", "step") or any(_TRAIN.search(n.lower()) for n in (*facts.ids, *facts.strings)))
+
     examples = (
         Flagged("from torch.utils.data import DataLoader\ntrain_loader = DataLoader(ds, batch_size=32, shuffle=True)\n"),
         Flagged("import torch\nloader = torch.utils.data.DataLoader(ds, 32, True, None, None, 0)\n"
@@ -176,6 +185,13 @@ class LoaderNoPinMemory(Rule):
     name = "loader-no-pin-memory"
     message = "`DataLoader` without `pin_memory` in a script that copies batches to the GPU"
     triggers = ("DataLoader",)
+
+    # a call qualified as torch's DataLoader, in a file with `.cuda()`, `.to(...)` or `non_blocking=`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id("DataLoader") and facts.any_id("torch") and (
+            facts.any_call("cuda", "to") or facts.any_id("non_blocking"))
+
     examples = (
         Flagged("from torch.utils.data import DataLoader\nloader = DataLoader(ds, batch_size=64)\n"
                 "for x, y in loader:\n    x, y = x.to(device), y.to(device)\n"),
@@ -254,6 +270,14 @@ class HostDeviceRoundtrip(Rule):
     message = "tensor moved to the host and back to the device inside a loop"
     reported_in = frozenset({"device"})
     triggers = ("cpu",)
+
+    # in a loop, `.cuda()`/`.to(...)` of what `.cpu()` or `.to(<cpu device>)` moved: a cpu device is
+    # a "cpu..." literal or a name containing "cpu"
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return bool(facts.kinds & {"For", "AsyncFor", "While"}) and facts.any_call("cuda", "to") and (
+            any("cpu" in i.lower() for i in facts.ids) or any(s.startswith("cpu") for s in facts.strings))
+
     examples = (
         Flagged("for x in loader:\n    y = model(x).cpu()\n    z = y.cuda()\n"),
         Flagged("import torch\nwhile True:\n    h = torch.from_numpy(h.cpu().numpy()).to(device)\n"),

@@ -30,7 +30,10 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import Codemod, CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+from libcst.metadata.position_provider import PositionProvidingCodegenState
+
+from gpumigrate.rewriter.facts import SourceFacts, without_data
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,9 @@ class FileContext:
         self.fixing: Set[str] = set()
         self._cache: Dict[Any, Any] = {}
         self._positions = None
+        # Lint: the first line of each top-level statement, from the stdlib parser
+        self.top_lines: Optional[List[int]] = None
+        self._partial: Dict[int, Any] = {}
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
         self._removed: Dict[int, cst.CSTNode] = {}
         self._index: Optional[NodeIndex] = None
@@ -337,13 +343,57 @@ class FileContext:
 
         Position metadata costs a full extra pass, so it is computed only for files that
         have something to report."""
-        if self._positions is None:
-            wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
-            self._positions = wrapper.resolve(PositionProvider)
-        pos = self._positions.get(node)
+        pos = self._statement_positions(node) if self.top_lines is not None else None
+        if pos is None:
+            if self._positions is None:
+                wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
+                self._positions = wrapper.resolve(PositionProvider)
+            pos = self._positions.get(node)
         if pos is None:
             return (0, 0, 0)
         return (pos.start.line, pos.start.column, pos.end.line)
+
+    def _statement_positions(self, node: cst.CSTNode) -> Optional[CodeRange]:
+        """The position of `node` from printing only its top-level statement, which starts
+        on the line the stdlib parser gave (`top_lines`): a file's positions cost a print
+        of the whole file (more than its parse); a finding needs the statements that hold
+        it. None where this does not apply (the caller prints the whole file)."""
+        top, parent = node, self.index.parent.get(id(node))
+        while parent is not None and parent is not self.module:
+            top, parent = parent, self.index.parent.get(id(top))
+        if parent is None:
+            return None  # the module itself, or a node the fixes built
+        done = self._partial.get(id(top))
+        if done is None:
+            starts = self._top_starts()
+            if starts is None or id(top) not in starts:
+                return None
+            provider = PositionProvider()
+            state = PositionProvidingCodegenState(default_indent=self.module.default_indent,
+                                                  default_newline=self.module.default_newline, provider=provider)
+            state.line = starts[id(top)] - len(top.leading_lines)
+            top._codegen(state)
+            done = self._partial[id(top)] = provider._computed
+            first = done.get(top)
+            if first is None or (first.start.line, first.start.column) != (starts[id(top)], 0):
+                self.top_lines = None  # the two parsers disagree: print the whole file instead
+                return None
+        return done.get(node)
+
+    def _top_starts(self) -> Optional[Dict[int, int]]:
+        """Each top-level LibCST statement's first line, from `top_lines` (one per stdlib
+        statement: a line of `a; b` is two)."""
+        if "top" not in self._cache:
+            starts, lines = {}, iter(self.top_lines or ())
+            for stmt in self.module.body:
+                count = len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
+                found = [next(lines, None) for _ in range(count)]
+                if None in found:
+                    starts = None
+                    break
+                starts[id(stmt)] = found[0]
+            self._cache["top"] = starts if starts is not None and next(lines, None) is None else None
+        return self._cache["top"]
 
     def suppressed(self, code: str, line: int, end_line: int = 0) -> bool:
         """`# noqa`, `# noqa: GM301,GM302` or `# noqa: GM3` on any line from `line` to
@@ -589,12 +639,27 @@ _NESTING_WORDS = {"not", "lambda", "if", "else", "and", "or", "await", "in", "is
 def _compile_error(source: bytes, path: str) -> Optional[SyntaxError]:
     """Why CPython refuses `source` (None: it compiles). A full compile, not a parse alone:
     `def f(a, a)`, `return` outside a function and `break` outside a loop are compiler errors."""
+    return _judge(source, path, None)
+
+
+def _python_tree(source: bytes, path: str) -> Optional[ast.Module]:
+    """The stdlib tree of a file CPython compiles, judged as `_compile_error` judges it
+    (None where it refuses: `_compile_error` then says why)."""
+    tree: List[ast.Module] = []
+    return tree[0] if _judge(source, path, tree) is None else None
+
+
+def _judge(source: bytes, path: str, tree: Optional[List[ast.Module]]) -> Optional[SyntaxError]:
     saved = sys.getrecursionlimit()
     try:
         sys.setrecursionlimit(_PYTHON_RECURSION_LIMIT + _depth())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # SyntaxWarnings are not ours to print (nor, with -W error, errors)
-            compile(source, path, "exec", dont_inherit=True)
+            if tree is None:
+                compile(source, path, "exec", dont_inherit=True)
+            else:  # the same judgement, keeping the parser's tree
+                tree.append(ast.parse(source, path))
+                compile(tree[0], path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:  # ValueError: null bytes, in some versions
         err = exc if isinstance(exc, SyntaxError) else SyntaxError(str(exc))
         if not err.lineno and b"\0" in source:  # no line given for a NUL byte: find it
@@ -675,9 +740,11 @@ def _libcst_parse(source: bytes, path: str) -> cst.Module:
                         f"({str(exc).splitlines()[0] if str(exc) else 'panic'}); file left unchanged") from None
 
 
-def _parse(source: bytes, path: str, repairs: Sequence[type]) -> Tuple[cst.Module, bytes, List[_Report]]:
+def _parse(source: bytes, path: str, repairs: Sequence[type],
+           judged: bool = False) -> Tuple[cst.Module, bytes, List[_Report]]:
+    """`judged`: CPython compiled `source` already."""
     text = _decode(source, path)
-    err = _compile_error(source, path)
+    err = None if judged else _compile_error(source, path)
     if err is None:
         return _libcst_parse(source, path), source, []
     # Some old scripts only compile under an older grammar (`.cuda(async=True)`); rules may
@@ -731,6 +798,16 @@ def _applies(rule: type, text: str) -> bool:
     return not triggers or any(t in text for t in triggers)
 
 
+def _gate(rule: type, facts: SourceFacts) -> bool:
+    gate = getattr(rule, "gate", None)
+    return gate(facts) if gate is not None else _applies(rule, facts.text)
+
+
+# Lint asks each rule's gate, on the stdlib tree, whether it can report on a file; the tests
+# turn this off to show the findings are the same without.
+GATES = True
+
+
 def process(
     source: bytes,
     path: str,
@@ -750,16 +827,35 @@ def process(
     `FileResult.error`."""
     result = FileResult(path=path, source=source)
     with reported_as_error(result, f"{path}:1"):
-        module, parsed_source, early = _parse(source, path, rules if repairs is None else repairs)
+        repairs = rules if repairs is None else repairs
+        fix = list(fix)
+        tree = _python_tree(source, path) if GATES and not fix else None
+        judged, read = tree is not None, source
+        if tree is not None:  # lint: only rules that can report here, and LibCST only if one can
+            whole = _decode(source, path)
+            facts = SourceFacts.of(tree, whole)
+            rules = [rule for rule in rules if _gate(rule, facts)]
+            if not rules:
+                return result
+            light = without_data(whole, tree)
+            if light is not whole:
+                read = light.encode(tokenize.detect_encoding(io.BytesIO(source).readline)[0])
+            top_lines = [(stmt.decorator_list[0].lineno if getattr(stmt, "decorator_list", None) else stmt.lineno)
+                         for stmt in tree.body]
+            del tree, facts, light
+        module, parsed_source, early = _parse(read, path, repairs, judged=judged)
         text = _decode(parsed_source, path)
-        skip, off = file_noqa(text) if "gpumigrate" in text else (False, [])
+        whole = text if read is source else _decode(source, path)
+        skip, off = file_noqa(whole) if "gpumigrate" in whole else (False, [])
         if skip:
             return result
         if off:
             rules = [r for r in rules if not _covers(off, r.code)]
             fix = [c for c in fix if not _covers(off, c)]
-        ctx = FileContext(module, path, text, names_factory(module), options)
+        ctx = FileContext(module, path, whole, names_factory(module), options)  # rules read the whole text
         ctx.fixing = set(fix)
+        if judged and _fast_traversal():
+            ctx.top_lines = top_lines
         # A repair is reported under its own code only if that rule is selected; when the
         # file is rewritten the repair is part of the output either way, and counts as a fix.
         codes = {r.code for r in rules}
