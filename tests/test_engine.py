@@ -309,3 +309,31 @@ def test_large_constant_data_is_not_handed_to_libcst(monkeypatch):
     # Unpacked, passed on or aliased, its elements may be what the analysis reads: kept whole.
     for use in ("a, b = T", "f(T)", "U = T"):
         assert without_data(named + use, ast.parse(named + use)) == named + use
+
+
+def test_find_answers_what_libcst_findall_answers():
+    """`FileContext.find` answers from the node index: a constant matcher asked again is
+    matched over the file once and answered by position, `m.Call()` takes every call. Both
+    give LibCST's `findall`, in its order, on every statement of the fixtures."""
+    import libcst as cst
+    import libcst.matchers as m
+
+    from gpumigrate.rewriter.engine import FileContext
+    from gpumigrate.rewriter.names import ImportTable
+    from tests.conftest import FIXTURES
+
+    matchers = [m.Call(), m.Call(func=m.Attribute(attr=m.Name("eval")), args=[]), m.Assign(),
+                m.AugAssign(target=m.Name()), m.Name("model")]
+    compared = 0
+    for path in sorted((FIXTURES / "scripts").glob("*.py"))[:12]:
+        try:
+            module = cst.parse_module(path.read_bytes())
+        except cst.ParserSyntaxError:
+            continue
+        ctx = FileContext(module, str(path), module.code, ImportTable(module))
+        roots = [n for n in ctx.index.order if isinstance(n, (cst.SimpleStatementLine, cst.BaseCompoundStatement))]
+        for matcher in matchers:
+            for root in roots:
+                assert ctx.find(root, matcher) == m.findall(root, matcher), (path, root, matcher)
+                compared += 1
+    assert compared > 1000

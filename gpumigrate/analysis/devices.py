@@ -96,16 +96,17 @@ class DeviceFacts:
             while funcs and i >= funcs[-1][1]:
                 funcs.pop()
             here = (tuple(f for f, _ in funcs), top)
-            if isinstance(node, cst.FunctionDef):
+            kind = type(node)
+            if kind is cst.FunctionDef:
                 funcs.append((node, index.end[id(node)]))
-            elif isinstance(node, cst.SimpleStatementLine):
+            elif kind is cst.SimpleStatementLine:
                 top += 1
                 here = (here[0], top)
                 if len(node.body) == 1 and isinstance(node.body[0], cst.Assign) and len(node.body[0].targets) == 1:
                     self._assignment(node, node.body[0].targets[0].target, node.body[0].value, here)
-            elif isinstance(node, cst.Call):
+            elif kind is cst.Call:
                 self._call(node, here)
-            elif isinstance(node, cst.Attribute) and cuda_type_dtype(names.qualify(node)):
+            elif kind is cst.Attribute and cuda_type_dtype(names.qualify(node)):
                 self.sites.append(Site(here[1], here[0], None, True))
 
     def _assignment(self, stmt, target: cst.BaseExpression, value: cst.BaseExpression, here) -> None:

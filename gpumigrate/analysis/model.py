@@ -276,7 +276,7 @@ class ScriptModel:
     def backward_calls(self) -> List[cst.Call]:
         out = []
         for node in self.s.index.order:
-            if isinstance(node, cst.Call):
+            if type(node) is cst.Call:
                 func = node.func
                 if (isinstance(func, cst.Attribute) and func.attr.value == "backward") or \
                         self.qualify(func) == "torch.autograd.backward":
@@ -288,7 +288,7 @@ class ScriptModel:
         """`optimizer.step()` and `scaler.step(optimizer)`."""
         out = []
         for node in self.s.index.order:
-            if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "step":
+            if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value == "step":
                 receiver = node.func.value
                 kind = self.kind(receiver)
                 name = (dotted(receiver) or "").lower()
@@ -708,16 +708,17 @@ class ScriptModel:
     def _consumptions(self) -> List[Consumption]:
         out = []
         for node in self.s.index.order:
-            if isinstance(node, (cst.For, cst.CompFor)):
+            kind = type(node)
+            if kind is cst.For or kind is cst.CompFor:
                 for holder in self._iterated(node.iter):
                     if self.kind(holder) in (v.LOADER, v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                         loop = node if isinstance(node, cst.For) else self.s.statement(node)
                         trains = self.trains(node.body) if isinstance(node, cst.For) else self._loop_trains(node)
                         out.append(Consumption(loop, holder, trains))
-            elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "next" \
+            elif kind is cst.Call and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                 out.append(Consumption(node, node.args[0].value, self._loop_trains(node)))
-            elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and \
+            elif kind is cst.Call and isinstance(node.func, cst.Attribute) and \
                     node.func.attr.value == "next" and not node.args and self.kind(node.func.value) == v.ITERATOR:
                 out.append(Consumption(node, node.func.value, self._loop_trains(node)))  # Python 2's it.next()
         return out

@@ -360,16 +360,19 @@ class ApexAmp(_MigratedByAmp):
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = amp_plan(self.ctx)
         s = script_model(self.ctx).s
-        imports = {id(n) for n in s.index.order if isinstance(n, (cst.Import, cst.ImportFrom))}
+        imports = {id(n) for n in s.index.order if type(n) is cst.Import or type(n) is cst.ImportFrom}
         # what is left of apex after the migration: a reviewer must remove it by hand
         self.leftovers: List[cst.CSTNode] = []
-        for n in s.index.order:
-            if not isinstance(n, (cst.Attribute, cst.Name)) or any(id(a) in imports for a in s.ancestors(n)):
+        binds_apex = any(full.split(".")[0] == "apex" for full in self.ctx.names.local.values())
+        for n in s.index.order if binds_apex else ():  # a name qualifies as apex only through an import of it
+            if type(n) is not cst.Attribute and type(n) is not cst.Name:
                 continue
             qualified = self.qualify(n) or ""
             parent = s.parent(n)
             if qualified.split(".")[0] != "apex" or isinstance(parent, cst.Attribute) and parent.value is n:
                 continue  # not apex, or the inner part of a longer name
+            if any(id(a) in imports for a in s.ancestors(n)):
+                continue  # the import itself
             if qualified not in _APEX_MIGRATED and qualified not in _APEX_PARALLEL:
                 self.leftovers.append(n)
         for n in self.leftovers:

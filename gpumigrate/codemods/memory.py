@@ -7,6 +7,7 @@ The seed posts' main lesson: a loss tensor carries the autograd graph of its ste
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from typing import List, Optional, Set, Union
@@ -239,16 +240,35 @@ def _computes_with(model, name: str, at: cst.CSTNode) -> bool:
 _EVAL_NAME = re.compile(r"^(test|evaluate|evaluation|eval|validate|validation|valid|predict|inference|infer)"
                         r"(_.*)?$|^(evaluate|validate|predict|infer)")
 _DEF = re.compile(r"\bdef[\s\\]+(\w+)")  # a function's name: `def` and blanks (or `\` line joins) before it
-_TRAIN_MODE = m.Call(func=m.Attribute(attr=m.Name("train")))
 
 
-def _calls_eval(node: cst.CSTNode) -> bool:
-    return bool(findall(node, m.Call(func=m.Attribute(attr=m.Name("eval")), args=[])))
+def _mode_calls(ctx, mode: str) -> List[int]:
+    """Index positions of `x.eval()` (no argument) or `x.train(...)`, once per file: the plan
+    asks block after block."""
+    def build(ctx) -> List[int]:
+        return [i for i, n in enumerate(ctx.index.order) if type(n) is cst.Call and type(n.func) is cst.Attribute
+                and n.func.attr.value == mode and (mode != "eval" or not n.args)]
+    return ctx.shared(("mode-calls", mode), build)
+
+
+def _calls_mode(ctx, node: cst.CSTNode, mode: str) -> bool:
+    index = ctx.index
+    at = index.start.get(id(node))
+    if at is None or index.order[at] is not node:
+        return bool(m.findall(node, m.Call(func=m.Attribute(attr=m.Name(mode)),
+                                           **({"args": []} if mode == "eval" else {}))))
+    found = _mode_calls(ctx, mode)
+    k = bisect.bisect_left(found, at)
+    return k < len(found) and found[k] < index.end[id(node)]
+
+
+def _calls_eval(ctx, node: cst.CSTNode) -> bool:
+    return _calls_mode(ctx, node, "eval")
 
 
 def _function_calls_eval(model, func: cst.FunctionDef) -> bool:
     """`model.eval()` in the function's own body (not in nested functions)."""
-    if not _calls_eval(func):  # a slice of the node index: spares the script model most functions
+    if not _calls_eval(model.ctx, func):  # a slice of the node index: spares the script model most functions
         return False
     fn = model.s.functions.get(id(func))
     return fn is not None and any(isinstance(c.func, cst.Attribute) and c.func.attr.value == "eval" and not c.args
@@ -293,9 +313,9 @@ class _EvalPlan:
                         self.functions.add(id(inner))
                 continue
             if isinstance(stmt, cst.SimpleStatementLine):
-                if findall(stmt, _TRAIN_MODE):
+                if _calls_mode(self.ctx, stmt, "train"):
                     evaluating = False
-                elif _calls_eval(stmt):
+                elif _calls_eval(self.ctx, stmt):
                     evaluating = True
             elif isinstance(stmt, (cst.For, cst.While)) and evaluating and not decorated:
                 if not self.model.trains(stmt) and not self._no_grad_inside(stmt) and findall(stmt, m.Call()) \

@@ -9,6 +9,7 @@ with the file, not with the number of rules.
 from __future__ import annotations
 
 import ast
+import bisect
 import contextlib
 import contextvars
 import dataclasses
@@ -30,7 +31,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import Codemod, CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 from libcst.metadata.position_provider import PositionProvidingCodegenState
 
 from gpumigrate.rewriter.facts import SourceFacts, without_data
@@ -158,17 +159,13 @@ def node_types(kind: type) -> frozenset:
     return frozenset(found)
 
 
-def _children(node: cst.CSTNode) -> List[cst.CSTNode]:
-    nodes = node_types(cst.CSTNode)
-    out: List[cst.CSTNode] = []
-    for name in _child_fields(type(node)):
-        value = getattr(node, name)
-        kind = type(value)
-        if kind in nodes:
-            out.append(value)
-        elif kind is tuple or kind is list:
-            out.extend(v for v in value if type(v) in nodes)
-    return out
+def _matches_any(matcher: Any) -> bool:
+    """A matcher with no constraint (`m.Call()`), which `m.matches` would still walk."""
+    return dataclasses.is_dataclass(matcher) and all(
+        getattr(matcher, f.name) is m.DoNotCare() for f in dataclasses.fields(matcher))
+
+
+_FIELDS: Dict[type, Tuple[str, ...]] = {}  # node class -> `_child_fields`, without lru_cache's call
 
 
 @functools.lru_cache(maxsize=1)
@@ -210,9 +207,11 @@ class NodeIndex(cst.CSTVisitor):
         traversal always replaces children), which cost more than a fifth of a lint. The
         children are read in the order LibCST visits them (`_child_fields`)."""
         order, start, end, parent = self.order, self.start, self._end, self._parent
+        nodes, fields_of = node_types(cst.CSTNode), _FIELDS
         work: List[Tuple[Optional[cst.CSTNode], int]] = [(root, -1)]
+        push, pop = work.append, work.pop
         while work:
-            node, above = work.pop()
+            node, above = pop()
             if node is None:  # the subtree of position `above` is done
                 end[above] = len(order)
                 continue
@@ -221,10 +220,20 @@ class NodeIndex(cst.CSTVisitor):
             order.append(node)
             end.append(at)
             parent.append(above)
-            work.append((None, at))
-            children = _children(node)
+            push((None, at))
+            kind = type(node)
+            fields = fields_of.get(kind)
+            if fields is None:
+                fields = fields_of[kind] = _child_fields(kind)
+            children = []  # `_children`, inlined: this runs for every node of the file
+            for name in fields:
+                value = getattr(node, name)
+                if type(value) in nodes:
+                    children.append(value)
+                elif type(value) is tuple or type(value) is list:
+                    children.extend([v for v in value if type(v) in nodes])
             for child in reversed(children):
-                work.append((child, at))
+                push((child, at))
         return self
 
     def on_visit(self, node: cst.CSTNode) -> bool:
@@ -274,6 +283,10 @@ class _ByNode:
         return key in self._start
 
 
+# Compound statements whose header a position can be read from with the body stubbed.
+_HEADED = frozenset({cst.With, cst.For, cst.While, cst.If, cst.FunctionDef, cst.ClassDef})
+_STUB = cst.IndentedBlock(body=[cst.SimpleStatementLine(body=[cst.Pass()])])
+
 # The file being processed, so that shared helpers can use its node index.
 CURRENT: "contextvars.ContextVar[Optional[FileContext]]" = contextvars.ContextVar("gpumigrate_file", default=None)
 
@@ -295,9 +308,10 @@ class FileContext:
         self.fixing: Set[str] = set()
         self._cache: Dict[Any, Any] = {}
         self._positions = None
-        # Lint: the first line of each top-level statement, from the stdlib parser
-        self.top_lines: Optional[List[int]] = None
-        self._partial: Dict[int, Any] = {}
+        # Lint: where each statement starts (line, column or None) and ends, from the stdlib parser
+        self.statement_lines: Optional[List[Tuple[int, Optional[int], int]]] = None
+        self._partial: Dict[Tuple[int, bool], Any] = {}
+        self._found: Dict[int, Tuple[Any, Optional[List[int]]]] = {}  # id(matcher) -> its matches, by position
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
         self._removed: Dict[int, cst.CSTNode] = {}
         self._index: Optional[NodeIndex] = None
@@ -322,11 +336,23 @@ class FileContext:
         if start is None or index.order[start] is not root:
             return m.findall(root, matcher)  # a node the fixes built
         kind = getattr(cst, type(matcher).__name__, None)
-        nodes = index.order[start:index.end[id(root)]]
-        if isinstance(kind, type) and issubclass(kind, cst.CSTNode):
-            kinds = node_types(kind)
-            return [n for n in nodes if type(n) in kinds and m.matches(n, matcher)]
-        return [n for n in nodes if m.matches(n, matcher)]
+        end = index.end[id(root)]
+        if not (isinstance(kind, type) and issubclass(kind, cst.CSTNode)):
+            return [n for n in index.order[start:end] if m.matches(n, matcher)]
+        kinds = node_types(kind)
+        if _matches_any(matcher):  # `m.Call()`: every node of its kind
+            return [n for n in index.order[start:end] if type(n) in kinds]
+        seen = self._found.get(id(matcher))
+        if seen is None:  # the matcher is kept, so its id stays its own
+            self._found[id(matcher)] = (matcher, None)
+        elif seen[1] is None:  # asked again (a rule's constant matcher, block after block): match the file once
+            order = index.order
+            self._found[id(matcher)] = seen = (matcher, [i for i, n in enumerate(order)
+                                                          if type(n) in kinds and m.matches(n, matcher)])
+        if seen is None or seen[1] is None:
+            return [n for n in index.order[start:end] if type(n) in kinds and m.matches(n, matcher)]
+        found = seen[1]
+        return [index.order[i] for i in found[bisect.bisect_left(found, start):bisect.bisect_left(found, end)]]
 
     def shared(self, key: Any, build: Callable[["FileContext"], Any]) -> Any:
         """A per-file analysis, built once however many rules ask for it."""
@@ -343,7 +369,7 @@ class FileContext:
 
         Position metadata costs a full extra pass, so it is computed only for files that
         have something to report."""
-        pos = self._statement_positions(node) if self.top_lines is not None else None
+        pos = self._statement_positions(node) if self.statement_lines is not None else None
         if pos is None:
             if self._positions is None:
                 wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
@@ -354,46 +380,66 @@ class FileContext:
         return (pos.start.line, pos.start.column, pos.end.line)
 
     def _statement_positions(self, node: cst.CSTNode) -> Optional[CodeRange]:
-        """The position of `node` from printing only its top-level statement, which starts
-        on the line the stdlib parser gave (`top_lines`): a file's positions cost a print
-        of the whole file (more than its parse); a finding needs the statements that hold
-        it. None where this does not apply (the caller prints the whole file)."""
-        top, parent = node, self.index.parent.get(id(node))
-        while parent is not None and parent is not self.module:
-            top, parent = parent, self.index.parent.get(id(top))
-        if parent is None:
+        """The position of `node` from printing only the statement that holds it, which starts
+        on the line the stdlib parser gave (`statement_lines`): a file's positions cost a
+        print of the whole file (more than its parse); a finding needs one statement. None
+        where this does not apply (the caller prints the whole file)."""
+        index, simple, compound = self.index, node_types(cst.SimpleStatementLine), node_types(cst.BaseCompoundStatement)
+        stmt: Optional[cst.CSTNode] = node
+        while stmt is not None and type(stmt) not in simple and type(stmt) not in compound:
+            stmt = index.parent.get(id(stmt))
+        while stmt is not None and type(stmt) is cst.If and type(index.parent.get(id(stmt))) is cst.If:
+            stmt = index.parent.get(id(stmt))  # an `elif` prints only as part of its `if`
+        if stmt is None:
             return None  # the module itself, or a node the fixes built
-        done = self._partial.get(id(top))
+        if stmt is node and type(stmt) in compound and type(index.parent.get(id(stmt))) is not cst.If:
+            where = (self._statement_starts() or {}).get(id(stmt))
+            if where is not None and where[1] is not None:  # a block's span is the stdlib parser's
+                return CodeRange(CodePosition(where[0], where[1]), CodePosition(where[2], 0))
+        printed = stmt
+        if type(stmt) in _HEADED and stmt is not node:
+            child = node
+            while index.parent.get(id(child)) is not stmt:
+                child = index.parent.get(id(child))
+            if child is not stmt.body and child is not getattr(stmt, "orelse", None):
+                # in the header (`with f(x):`, `def g(a):`): print it over a stub of a body
+                printed = stmt.with_changes(body=_STUB, **({"orelse": None} if hasattr(stmt, "orelse") else {}))
+        key = (id(stmt), printed is stmt)
+        done = self._partial.get(key)
         if done is None:
-            starts = self._top_starts()
-            if starts is None or id(top) not in starts:
+            starts = self._statement_starts()
+            first = stmt.body[0] if type(stmt) in simple else stmt
+            if starts is None or id(first) not in starts:
                 return None
+            line, col, _ = starts[id(first)]
+            indents, parent = [], index.parent.get(id(stmt))
+            while parent is not None:
+                if type(parent) is cst.IndentedBlock:
+                    indents.append(self.module.default_indent if parent.indent is None else parent.indent)
+                parent = index.parent.get(id(parent))
             provider = PositionProvider()
             state = PositionProvidingCodegenState(default_indent=self.module.default_indent,
                                                   default_newline=self.module.default_newline, provider=provider)
-            state.line = starts[id(top)] - len(top.leading_lines)
-            top._codegen(state)
-            done = self._partial[id(top)] = provider._computed
-            first = done.get(top)
-            if first is None or (first.start.line, first.start.column) != (starts[id(top)], 0):
-                self.top_lines = None  # the two parsers disagree: print the whole file instead
+            state.indent_tokens = indents[::-1]
+            state.line = line - len(stmt.leading_lines)
+            printed._codegen(state)
+            done = self._partial[key] = provider._computed
+            got = done.get(printed)
+            if got is None or got.start.line != line or col is not None and got.start.column != col:
+                self.statement_lines = None  # the two parsers disagree: print the whole file instead
                 return None
         return done.get(node)
 
-    def _top_starts(self) -> Optional[Dict[int, int]]:
-        """Each top-level LibCST statement's first line, from `top_lines` (one per stdlib
-        statement: a line of `a; b` is two)."""
-        if "top" not in self._cache:
-            starts, lines = {}, iter(self.top_lines or ())
-            for stmt in self.module.body:
-                count = len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
-                found = [next(lines, None) for _ in range(count)]
-                if None in found:
-                    starts = None
-                    break
-                starts[id(stmt)] = found[0]
-            self._cache["top"] = starts if starts is not None and next(lines, None) is None else None
-        return self._cache["top"]
+    def _statement_starts(self) -> Optional[Dict[int, Tuple[int, Optional[int], int]]]:
+        """Where each LibCST statement (small or compound) starts and ends, from
+        `statement_lines`: both parsers list a file's statements in the same order."""
+        if "statements" not in self._cache:
+            kinds = node_types(cst.BaseSmallStatement) | node_types(cst.BaseCompoundStatement)
+            ours = [n for n in self.index.order if type(n) in kinds]
+            lines = self.statement_lines or []
+            self._cache["statements"] = ({id(n): where for n, where in zip(ours, lines)}
+                                         if len(ours) == len(lines) else None)
+        return self._cache["statements"]
 
     def suppressed(self, code: str, line: int, end_line: int = 0) -> bool:
         """`# noqa`, `# noqa: GM301,GM302` or `# noqa: GM3` on any line from `line` to
@@ -539,21 +585,45 @@ class _Dispatch(cst.CSTTransformer):
 
     def observe(self, index: NodeIndex) -> None:
         """The rules' visit_ and leave_ calls of a traversal, over the index (lint: no rule's
-        output is used, so no node needs rebuilding); a leave gets the node as `updated` too."""
-        order, end = index.order, index._end
+        output is used, so no node needs rebuilding); a leave gets the node as `updated` too.
+        Only nodes a rule handles are stepped on; `ctx.ancestors` is brought to each one's
+        path from the one before, so the rules see what the traversal would show them."""
+        order, end, parent = index.order, index._end, index._parent
+        names = set(self.visits) | set(self.leaves)
+        handled = {kind for kind in node_types(cst.CSTNode) if kind.__name__ in names}
+        visits = {kind: self.visits.get(kind.__name__, []) for kind in handled}
+        leaves = {kind: [leave for _, leave in self.leaves.get(kind.__name__, ())] for kind in handled}
+        ancestors, at = self.ctx.ancestors, []  # the path's nodes and their positions
+
+        def move_to(i: int) -> None:  # make the path the one from the root to position i
+            while at and not (at[-1] <= i < end[at[-1]]):
+                at.pop()
+                ancestors.pop()
+            top, down = at[-1] if at else -1, []
+            while i != top:
+                down.append(i)
+                i = parent[i]
+            for p in reversed(down):
+                at.append(p)
+                ancestors.append(order[p])
+
         open_: List[int] = []
-        for i, node in enumerate(order):
+        for i in [i for i, node in enumerate(order) if type(node) in handled]:
             while open_ and end[open_[-1]] <= i:
-                self._observe_leave(order[open_.pop()])
-            self.on_visit(node)
+                j = open_.pop()
+                move_to(parent[j])
+                for leave in leaves[type(order[j])]:
+                    leave(order[j], order[j])
+            move_to(i)
+            for visit in visits[type(order[i])]:
+                visit(order[i])
             open_.append(i)
         while open_:
-            self._observe_leave(order[open_.pop()])
-
-    def _observe_leave(self, node: cst.CSTNode) -> None:
-        self.ctx.ancestors.pop()
-        for _, leave in self.leaves.get(type(node).__name__, ()):
-            leave(node, node)
+            j = open_.pop()
+            move_to(parent[j])
+            for leave in leaves[type(order[j])]:
+                leave(order[j], order[j])
+        move_to(-1)
 
     def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
         pass  # no rule has field hooks: see NodeIndex
@@ -798,6 +868,27 @@ def _applies(rule: type, text: str) -> bool:
     return not triggers or any(t in text for t in triggers)
 
 
+def _statement_lines(tree: ast.Module, text: str) -> List[Tuple[int, Optional[int], int]]:
+    """Each statement's first line and column (None after a decorator) and last line, in
+    LibCST's order."""
+    columns = text.isascii()  # else ast's columns (UTF-8 bytes) are not LibCST's (characters)
+    out: List[Tuple[int, Optional[int], int]] = []
+
+    def walk(body: List[ast.stmt]) -> None:
+        for stmt in body:
+            decorators = getattr(stmt, "decorator_list", None)
+            if decorators:
+                out.append((decorators[0].lineno, None, stmt.end_lineno))
+            else:
+                out.append((stmt.lineno, stmt.col_offset if columns else None, stmt.end_lineno))
+            for field in ("body", "handlers", "orelse", "finalbody", "cases"):
+                for inner in getattr(stmt, field, ()):
+                    walk(inner.body if isinstance(inner, (ast.ExceptHandler, ast.match_case)) else [inner])
+
+    walk(tree.body)
+    return out
+
+
 def _gate(rule: type, facts: SourceFacts) -> bool:
     gate = getattr(rule, "gate", None)
     return gate(facts) if gate is not None else _applies(rule, facts.text)
@@ -840,8 +931,7 @@ def process(
             light = without_data(whole, tree)
             if light is not whole:
                 read = light.encode(tokenize.detect_encoding(io.BytesIO(source).readline)[0])
-            top_lines = [(stmt.decorator_list[0].lineno if getattr(stmt, "decorator_list", None) else stmt.lineno)
-                         for stmt in tree.body]
+            statement_lines = _statement_lines(tree, whole)
             del tree, facts, light
         module, parsed_source, early = _parse(read, path, repairs, judged=judged)
         text = _decode(parsed_source, path)
@@ -855,7 +945,7 @@ def process(
         ctx = FileContext(module, path, whole, names_factory(module), options)  # rules read the whole text
         ctx.fixing = set(fix)
         if judged and _fast_traversal():
-            ctx.top_lines = top_lines
+            ctx.statement_lines = statement_lines
         # A repair is reported under its own code only if that rule is selected; when the
         # file is rewritten the repair is part of the output either way, and counts as a fix.
         codes = {r.code for r in rules}

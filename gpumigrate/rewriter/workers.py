@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from gpumigrate.rewriter.cache import Cache, run_key
 from gpumigrate.rewriter.engine import FileResult
 from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Stamp
-from gpumigrate.rewriter.run import process_path, process_source, read_input
+from gpumigrate.rewriter.run import process_path, process_source, read_input, tune_gc
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ def run_task(task: Task) -> FileResult:
 def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[Cache]) -> Iterator[FileResult]:
     """`process_tasks`, with the results of unchanged files taken from `cache` (and the new
     ones put there). Files are read here, once: a hit costs a read and a hash."""
+    tune_gc()  # for the files this process runs itself; workers tune their own
     if cache is None:
         yield from _largest_first(tasks, jobs)
         return
@@ -172,6 +173,7 @@ def _quiet_interrupt() -> None:
     # Ctrl-C reaches the workers too: they just stop (the parent reports the interruption),
     # instead of each printing a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    tune_gc()
 
 
 def _died(path: str, exitcode: Optional[int]) -> str:
