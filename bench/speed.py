@@ -11,6 +11,7 @@ The corpus: every k-th `.py` file of the installed torch package that mentions `
 - a cached re-run of `gpumigrate lint` (the pre-commit and CI case), after a first run;
 - TorchFix at its default, when it is installed;
 - that lint's findings are the same with and without its gates (in this process);
+- lint against a parse on finding-dense training scripts (the fixtures, in this process);
 - `gpumigrate --help` and `--version`; the peak RSS of each child.
 """
 
@@ -68,6 +69,55 @@ def child(args: Sequence[str], cwd: Path, env: Optional[Dict[str, str]] = None) 
     return {"seconds": float(wall), "peak_rss_mb": float(rss), "exit": int(code)}
 
 
+def with_cli_collector(fn):
+    """`fn()` with the garbage collector tuned as the CLI tunes it (rewriter/run.py)."""
+    import gc
+
+    from gpumigrate.rewriter.run import tune_gc
+
+    default = gc.get_threshold()
+    tune_gc()
+    try:
+        return fn()
+    finally:
+        gc.set_threshold(*default)
+
+
+def dense(repeats: int = 5) -> Dict[str, float]:
+    """Lint against a bare parse on finding-dense training scripts (the fixtures), in this
+    process: the files are small, so a CLI run would time its start-up. Each file's best of
+    `repeats`, parse and lint interleaved; Python's default collector for both, and for
+    lint also the collector the CLI runs with."""
+    import gc
+
+    from gpumigrate.codemods import select
+    from gpumigrate.rewriter.engine import process
+    from gpumigrate.rewriter.names import ImportTable
+    from gpumigrate.rewriter.run import tune_gc
+
+    sources = []
+    for path in sorted((ROOT / "fixtures" / "scripts").glob("*.py")):
+        try:
+            cst.parse_module(path.read_bytes())
+            sources.append((str(path), path.read_bytes()))
+        except Exception:
+            continue
+    rules, default = select([], []), gc.get_threshold()
+    best = {"parse": [1e9] * len(sources), "lint": [1e9] * len(sources), "lint, CLI collector": [1e9] * len(sources)}
+    for _ in range(repeats):
+        for k, (path, data) in enumerate(sources):
+            for label, run in (("parse", lambda: cst.parse_module(data)),
+                               ("lint", lambda: process(data, path, rules, names_factory=ImportTable)),
+                               ("lint, CLI collector", lambda: process(data, path, rules, names_factory=ImportTable))):
+                if label.endswith("collector"):
+                    tune_gc()
+                start = time.perf_counter()
+                run()
+                best[label][k] = min(best[label][k], time.perf_counter() - start)
+                gc.set_threshold(*default)
+    return {"files": len(sources), **{label: sum(times) for label, times in best.items()}}
+
+
 def same_findings(files: Sequence[Path]) -> str:
     """Lint in this process with the gates (stdlib-ast pre-checks, data literals emptied) and
     without: the optimisations must not change a finding (issue 11)."""
@@ -113,6 +163,8 @@ def main() -> None:
         rows: Dict[str, Dict[str, float]] = {}
         rows["libcst.parse_module"] = {"seconds": timed("parse", lambda: [cst.parse_module(d) for d in parseable])}
         rows["ast.parse"] = {"seconds": timed("ast", lambda: [ast.parse(d) for d in parseable])}
+        rows["libcst.parse_module, the CLI's collector"] = {"seconds": with_cli_collector(
+            lambda: timed("parse", lambda: [cst.parse_module(d) for d in parseable]))}
         cache = {"GPUMIGRATE_CACHE_DIR": str(Path(scratch) / "cache")}
         rows["lint -j 1"] = child([*gm, "lint", str(folder), "-j", "1", "--no-cache"], folder)
         rows["lint (default -j)"] = child([*gm, "lint", str(folder), "--no-cache"], folder)
@@ -124,17 +176,25 @@ def main() -> None:
         if not args.no_torchfix and shutil.which("torchfix"):
             rows["TorchFix (default -j)"] = child(["torchfix", str(folder)], folder)
         exact = same_findings(files)
+        scripts = dense()
     parse = rows["libcst.parse_module"]["seconds"]
     first = rows["lint (default -j)"]["seconds"]
     ratios = {
         "lint -j 1 / parse (target <= 1.5)": rows["lint -j 1"]["seconds"] / parse,
+        "lint -j 1 / parse with the CLI's collector": rows["lint -j 1"]["seconds"] / rows[
+            "libcst.parse_module, the CLI's collector"]["seconds"],
         "-j 1 / default -j (target >= 1.7 on 2 cores)": rows["lint -j 1"]["seconds"] / first,
         "cached re-run / first run (target <= 0.10)": rows["lint, cached re-run"]["seconds"] / first,
         "--to ddp --diff / parse": rows["--to ddp --diff"]["seconds"] / parse,
     }
     if "TorchFix (default -j)" in rows:
         ratios["TorchFix / lint, both default (target >= 10)"] = rows["TorchFix (default -j)"]["seconds"] / first
-    print(f"\nlint -j 1 peak RSS: {rows['lint -j 1']['peak_rss_mb']:.0f} MB (target <= 300)")
+    ratios["finding-dense scripts: lint / parse (target <= 2)"] = scripts["lint"] / scripts["parse"]
+    ratios["finding-dense scripts: lint with the CLI's collector / parse"] = scripts["lint, CLI collector"] / scripts["parse"]
+    print(f"\nfinding-dense training scripts ({scripts['files']} fixtures, in process, best of 5): "
+          f"parse {scripts['parse']:.3f} s, lint {scripts['lint']:.3f} s, "
+          f"lint with the CLI's collector {scripts['lint, CLI collector']:.3f} s")
+    print(f"lint -j 1 peak RSS: {rows['lint -j 1']['peak_rss_mb']:.0f} MB (target <= 300)")
     print(f"findings with and without the gates: {exact}")
     print("\n| step | seconds | peak RSS |\n|---|---|---|")
     for name, row in rows.items():
@@ -145,7 +205,8 @@ def main() -> None:
         print(f"| {name} | {value:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"files": len(files), "megabytes": size, "cpus": os.cpu_count(),
-                                               "rows": rows, "ratios": ratios, "gates_exact": exact}, indent=2))
+                                               "rows": rows, "ratios": ratios, "gates_exact": exact,
+                                               "dense_scripts": scripts}, indent=2))
 
 
 if __name__ == "__main__":
