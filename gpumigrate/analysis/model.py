@@ -215,8 +215,8 @@ class ScriptModel:
         path = self._file_of(call_argument(call, "f", 0))
         if path is None:
             return False
-        for node in self.s.index.order:
-            if isinstance(node, cst.Call) and self.qualify(node.func) == "torch.save" and node.args:
+        for node in self.s.index.of(cst.Call):
+            if self.qualify(node.func) == "torch.save" and node.args:
                 if self._file_of(call_argument(node, "f", 1)) == path and self._holds_module(node.args[0].value):
                     return True
         return False
@@ -224,7 +224,7 @@ class ScriptModel:
     def _used_as_module(self, name: str, assign: cst.Assign) -> bool:
         scope = self.s.scope(assign)
         for node in self.s.index.order[self.s.index.end[id(assign)]:]:
-            if not (isinstance(node, cst.Name) and node.value == name and self.s.scope(node) is scope):
+            if not (type(node) is cst.Name and node.value == name and self.s.scope(node) is scope):
                 continue
             stmt = self.s.statement(node)
             _, bindings = self.s.lookup(name, scope, self.s.order(stmt) if stmt is not None else NEVER)
@@ -275,20 +275,19 @@ class ScriptModel:
     @cached_property
     def backward_calls(self) -> List[cst.Call]:
         out = []
-        for node in self.s.index.order:
-            if type(node) is cst.Call:
-                func = node.func
-                if (isinstance(func, cst.Attribute) and func.attr.value == "backward") or \
-                        self.qualify(func) == "torch.autograd.backward":
-                    out.append(node)
+        for node in self.s.index.of(cst.Call):
+            func = node.func
+            if (isinstance(func, cst.Attribute) and func.attr.value == "backward") or \
+                    self.qualify(func) == "torch.autograd.backward":
+                out.append(node)
         return out
 
     @cached_property
     def step_calls(self) -> List[cst.Call]:
         """`optimizer.step()` and `scaler.step(optimizer)`."""
         out = []
-        for node in self.s.index.order:
-            if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value == "step":
+        for node in self.s.index.of(cst.Call):
+            if type(node.func) is cst.Attribute and node.func.attr.value == "step":
                 receiver = node.func.value
                 kind = self.kind(receiver)
                 name = (dotted(receiver) or "").lower()
@@ -389,8 +388,8 @@ class ScriptModel:
     def optimizers(self) -> List[Optimizer]:
         found: List[Optimizer] = []
         seen: Set[int] = set()
-        for node in self.s.index.order:
-            if not isinstance(node, cst.Call) or id(node) in seen or self.kind(node) != v.OPTIMIZER:
+        for node in self.s.index.of(cst.Call):
+            if id(node) in seen or self.kind(node) != v.OPTIMIZER:
                 continue
             if self.s.callee(node) is not None:
                 continue  # a factory of this file: its own `torch.optim` call is the one
@@ -433,8 +432,8 @@ class ScriptModel:
         and `.zero_grad()`; its owners are the modules passed to the call that built it."""
         out = []
         stepped: Dict[Tuple[int, str], cst.CSTNode] = {}
-        for node in self.s.index.order:
-            if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and \
+        for node in self.s.index.of(cst.Call):
+            if isinstance(node.func, cst.Attribute) and \
                     node.func.attr.value == "step" and isinstance(node.func.value, cst.Name):
                 scope = self.s.scope(node)
                 if self.kind(node.func.value) in (v.OPTIMIZER, v.SCHEDULER, v.MODULE, v.LOSS_MODULE):
@@ -609,8 +608,8 @@ class ScriptModel:
             kind = self.values.name(name, scope)
             if kind == v.LOSS_MODULE:
                 return True
-        for node in self.s.index.order:
-            if isinstance(node, cst.Call) and dotted(node.func) == name and self._scope_chain_binds(node, scope):
+        for node in self.s.index.of(cst.Call):
+            if dotted(node.func) == name and self._scope_chain_binds(node, scope):
                 parent = self.s.parent(node)
                 if isinstance(parent, cst.Attribute) and parent.attr.value == "backward":
                     return True
@@ -632,8 +631,8 @@ class ScriptModel:
     @cached_property
     def loaders(self) -> List[Loader]:
         loaders: Dict[int, Loader] = {}
-        for node in self.s.index.order:
-            if isinstance(node, cst.Call) and self.qualify(node.func) in v.DATALOADER:
+        for node in self.s.index.of(cst.Call):
+            if self.qualify(node.func) in v.DATALOADER:
                 loaders[id(node)] = Loader(node)
         if not loaders:
             return []

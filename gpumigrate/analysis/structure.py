@@ -161,8 +161,8 @@ class Structure:
 
     def _module_calls(self) -> Iterator[cst.Call]:
         root = self.scopes[id(self.module)]
-        for node in self.index.order:
-            if type(node) is cst.Call and self._scope_of.get(id(node)) is root:
+        for node in self.index.of(cst.Call):
+            if self._scope_of.get(id(node)) is root:
                 yield node
 
     def _open(self, node, scope: Scope, i: int) -> Scope:

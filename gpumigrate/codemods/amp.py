@@ -265,8 +265,8 @@ class AmpSetup(Rule):
             return []
         model = script_model(self.ctx)
         out = []
-        for call in model.s.index.order:
-            if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and
+        for call in model.s.index.of(cst.Call):
+            if not (isinstance(call.func, cst.Attribute) and
                     call.func.attr.value == "load_state_dict" and len(call.args) == 1):
                 continue
             if not self._is_optimizer(call.func.value):
@@ -726,7 +726,7 @@ class DeprecatedCudaAmp(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         model = script_model(self.ctx)
-        self.calls = [c for c in model.s.index.order if isinstance(c, cst.Call) and self.qualify(c.func) in _CUDA_AMP]
+        self.calls = [c for c in model.s.index.of(cst.Call) if self.qualify(c.func) in _CUDA_AMP]
         self.forwards = {id(c): self._forward_in_with(c, model) for c in self.calls if "autocast" in _CUDA_AMP[
             self.qualify(c.func)]}
         # One form for the whole file: the runtime's (any device) only if every call can take

@@ -110,8 +110,7 @@ def _build(ctx: FileContext) -> AmpPlan:
     model = plan.model
     if not model.uses_torch or not model.has_training:
         return plan
-    if any((ctx.names.qualify(c.func) or "") in AUTOCASTS + SCALERS for c in model.s.index.order
-           if isinstance(c, cst.Call)):
+    if any((ctx.names.qualify(c.func) or "") in AUTOCASTS + SCALERS for c in model.s.index.of(cst.Call)):
         return plan  # mixed precision already (GM503 moves torch.cuda.amp to torch.amp)
     from gpumigrate.codemods.helpers import fresh_name
 
@@ -186,8 +185,8 @@ def _find_halves(plan: AmpPlan) -> None:
     loops = [*model.training_loops_list, *(c.node for l in model.loaders for c in l.consumers
                                            if isinstance(c.node, (cst.For, cst.While)))]
     loop_ids = {id(loop) for loop in loops}
-    for call in s.index.order:
-        if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and
+    for call in s.index.of(cst.Call):
+        if not (isinstance(call.func, cst.Attribute) and
                 call.func.attr.value == "half" and not call.args):
             continue
         in_loop = any(id(a) in loop_ids or isinstance(a, (cst.For, cst.While)) and model.trains(a)
@@ -251,8 +250,8 @@ def _place_unscales(plan: AmpPlan, qualify) -> None:
     s = plan.model.s
     steps = sorted(plan.model.step_calls, key=s.order)
     placed: Dict[Tuple[int, str], List[cst.CSTNode]] = {}  # (loop, optimizer) -> lines unscaled before
-    for node in s.index.order:
-        if not (isinstance(node, cst.Call) and (qualify(node.func) or "") in _CLIP):
+    for node in s.index.of(cst.Call):
+        if not ((qualify(node.func) or "") in _CLIP):
             continue
         line = s.line(node)
         home = _loop_or_function(plan, node)

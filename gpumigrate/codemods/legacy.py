@@ -293,8 +293,8 @@ class _VolatilePlan:
         self.ranges: Dict[int, List[Tuple[int, int]]] = {}  # id(block) -> [(first, last)] line indices
         self.verdicts: Dict[int, Optional[str]] = {}  # id(call) -> None (fixed) or why not
         sources: List[Tuple[cst.Call, cst.CSTNode]] = []
-        for node in s.index.order:
-            if not isinstance(node, cst.Call) or ctx.names.qualify(node.func) not in VARIABLE:
+        for node in s.index.of(cst.Call):
+            if ctx.names.qualify(node.func) not in VARIABLE:
                 continue
             volatile = get_arg(node, "volatile")
             if volatile is None or literal_bool(volatile.value) is not True:

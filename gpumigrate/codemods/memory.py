@@ -246,7 +246,7 @@ def _mode_calls(ctx, mode: str) -> List[int]:
     """Index positions of `x.eval()` (no argument) or `x.train(...)`, once per file: the plan
     asks block after block."""
     def build(ctx) -> List[int]:
-        return [i for i, n in enumerate(ctx.index.order) if type(n) is cst.Call and type(n.func) is cst.Attribute
+        return [ctx.index.start[id(n)] for n in ctx.index.of(cst.Call) if type(n.func) is cst.Attribute
                 and n.func.attr.value == mode and (mode != "eval" or not n.args)]
     return ctx.shared(("mode-calls", mode), build)
 

@@ -159,6 +159,13 @@ def node_types(kind: type) -> frozenset:
     return frozenset(found)
 
 
+@dataclass
+class _Found:
+    matcher: Any  # kept alive, so that no other matcher takes its id
+    anything: bool  # no constraint: `m.Call()`
+    positions: Optional[List[int]] = None  # where it matches in the file, once asked twice
+
+
 def _matches_any(matcher: Any) -> bool:
     """A matcher with no constraint (`m.Call()`), which `m.matches` would still walk."""
     return dataclasses.is_dataclass(matcher) and all(
@@ -201,6 +208,7 @@ class NodeIndex(cst.CSTVisitor):
         self.end = _ByNode(self.start, self._end, lambda i: i)
         self.parent = _ByNode(self.start, self._parent, lambda i: self.order[i] if i >= 0 else None)
         self._stack: List[int] = []
+        self._of: Dict[type, List[cst.CSTNode]] = {}
 
     def build(self, root: cst.CSTNode) -> "NodeIndex":
         """Index `root`'s tree without a LibCST visit: a visit rebuilds every node (LibCST's
@@ -244,6 +252,14 @@ class NodeIndex(cst.CSTVisitor):
         self._parent.append(self._stack[-1] if self._stack else -1)
         self._stack.append(at)
         return True
+
+    def of(self, kind: type) -> List[cst.CSTNode]:
+        """The nodes of exactly this (concrete) class, in order: scans for calls, one of them
+        per analysis, step on nothing else."""
+        found = self._of.get(kind)
+        if found is None:
+            found = self._of[kind] = [n for n in self.order if type(n) is kind]
+        return found
 
     def subtree(self, root: cst.CSTNode) -> List[cst.CSTNode]:
         """`root` and every node under it, in pre-order (root must be of the indexed tree)."""
@@ -311,7 +327,7 @@ class FileContext:
         # Lint: where each statement starts (line, column or None) and ends, from the stdlib parser
         self.statement_lines: Optional[List[Tuple[int, Optional[int], int]]] = None
         self._partial: Dict[Tuple[int, bool], Any] = {}
-        self._found: Dict[int, Tuple[Any, Optional[List[int]]]] = {}  # id(matcher) -> its matches, by position
+        self._found: Dict[int, _Found] = {}  # id(matcher) -> what `find` knows of it
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
         self._removed: Dict[int, cst.CSTNode] = {}
         self._index: Optional[NodeIndex] = None
@@ -340,18 +356,17 @@ class FileContext:
         if not (isinstance(kind, type) and issubclass(kind, cst.CSTNode)):
             return [n for n in index.order[start:end] if m.matches(n, matcher)]
         kinds = node_types(kind)
-        if _matches_any(matcher):  # `m.Call()`: every node of its kind
-            return [n for n in index.order[start:end] if type(n) in kinds]
         seen = self._found.get(id(matcher))
-        if seen is None:  # the matcher is kept, so its id stays its own
-            self._found[id(matcher)] = (matcher, None)
-        elif seen[1] is None:  # asked again (a rule's constant matcher, block after block): match the file once
-            order = index.order
-            self._found[id(matcher)] = seen = (matcher, [i for i, n in enumerate(order)
-                                                          if type(n) in kinds and m.matches(n, matcher)])
-        if seen is None or seen[1] is None:
+        if seen is None:  # first use; the matcher is kept, so its id stays its own
+            seen = self._found[id(matcher)] = _Found(matcher, _matches_any(matcher))
+        elif seen.positions is None and not seen.anything:  # asked again (a rule's constant matcher,
+            seen.positions = [i for i, n in enumerate(index.order)  # block after block): match the file once
+                              if type(n) in kinds and m.matches(n, matcher)]
+        if seen.anything:  # `m.Call()`: every node of its kind
+            return [n for n in index.order[start:end] if type(n) in kinds]
+        if seen.positions is None:
             return [n for n in index.order[start:end] if type(n) in kinds and m.matches(n, matcher)]
-        found = seen[1]
+        found = seen.positions
         return [index.order[i] for i in found[bisect.bisect_left(found, start):bisect.bisect_left(found, end)]]
 
     def shared(self, key: Any, build: Callable[["FileContext"], Any]) -> Any:
@@ -871,8 +886,12 @@ def _applies(rule: type, text: str) -> bool:
 def _statement_lines(tree: ast.Module, text: str) -> List[Tuple[int, Optional[int], int]]:
     """Each statement's first line and column (None after a decorator) and last line, in
     LibCST's order."""
-    columns = text.isascii()  # else ast's columns (UTF-8 bytes) are not LibCST's (characters)
+    lines = None if text.isascii() else re.split(r"\r\n|\r|\n", text)
     out: List[Tuple[int, Optional[int], int]] = []
+
+    def column(stmt: ast.stmt) -> int:  # ast counts UTF-8 bytes, LibCST characters
+        line = lines[stmt.lineno - 1] if lines is not None else ""
+        return stmt.col_offset if line.isascii() else len(line.encode("utf-8")[:stmt.col_offset].decode("utf-8"))
 
     def walk(body: List[ast.stmt]) -> None:
         for stmt in body:
@@ -880,7 +899,7 @@ def _statement_lines(tree: ast.Module, text: str) -> List[Tuple[int, Optional[in
             if decorators:
                 out.append((decorators[0].lineno, None, stmt.end_lineno))
             else:
-                out.append((stmt.lineno, stmt.col_offset if columns else None, stmt.end_lineno))
+                out.append((stmt.lineno, column(stmt), stmt.end_lineno))
             for field in ("body", "handlers", "orelse", "finalbody", "cases"):
                 for inner in getattr(stmt, field, ()):
                     walk(inner.body if isinstance(inner, (ast.ExceptHandler, ast.match_case)) else [inner])
