@@ -213,3 +213,37 @@ def test_a_recursive_function_unpacked_from_its_own_call_is_no_new_fact():
     model = model_of("import torch\ndef build(n):\n    if n == 0:\n        return torch.nn.Linear(2, 2), 0\n"
                      "    return build(n - 1)\nnet, depth = build(3)\nnet\n")
     assert model.kind(expr(model, "net")) == v.MODULE
+
+
+def test_scopes_found_on_demand_are_the_scans():
+    """The structure scan steps only on what opens a scope, calls, returns and binds; any
+    other node's scope is found on demand, walking up to the nearest def, class or lambda.
+    Both give, for every node of the fixtures and of a torch sample, the scope that a walk
+    over every node in order (the scan before) gives."""
+    from pathlib import Path
+
+    import libcst as cst
+    import torch
+
+    from gpumigrate.analysis.structure import Structure
+    from gpumigrate.rewriter.engine import NodeIndex
+    from tests.conftest import FIXTURES
+
+    package = Path(torch.__file__).parent
+    compared = 0
+    for path in sorted((FIXTURES / "scripts").glob("*.py")) + sorted(package.rglob("*.py"))[::150]:
+        try:
+            module = cst.parse_module(path.read_bytes())
+        except Exception:
+            continue
+        index = NodeIndex().build(module)
+        s = Structure(module, index)
+        stack = [(s.scopes[id(module)], len(index.order))]
+        for i, node in enumerate(index.order):
+            while i >= stack[-1][1]:
+                stack.pop()
+            assert s._scope_at(node) is stack[-1][0], (path, i, type(node).__name__)
+            if id(node) in s.scopes and node is not module:
+                stack.append((s.scopes[id(node)], index.end[id(node)]))
+            compared += 1
+    assert compared > 100_000

@@ -124,7 +124,11 @@ class Structure:
         self.scopes[id(self.module)] = root
         stack: List[Tuple[Scope, int]] = [(root, len(order))]
         functions: List[Tuple[Function, int]] = []
-        for i, node in enumerate(order):
+        # only what opens a scope, calls, returns and binds: the scope of any other node is
+        # found on demand (`_scope_at`)
+        scanned = {cst.FunctionDef, cst.ClassDef, cst.Lambda, cst.Call, cst.Return, *self._binders}
+        for i in [i for i, node in enumerate(order) if type(node) in scanned]:
+            node = order[i]
             while i >= stack[-1][1]:
                 stack.pop()
             while functions and i >= functions[-1][1]:
@@ -326,13 +330,24 @@ class Structure:
         """The scope the code at `node` runs in (for a def: the def's own scope)."""
         if id(node) in self.scopes:
             return self.scopes[id(node)]
-        return self._scope_of.get(id(node)) or self.scopes[id(self.module)]
+        return self._scope_at(node) or self.scopes[id(self.module)]
+
+    def _scope_at(self, node: cst.CSTNode) -> Optional[Scope]:
+        """The innermost scope holding `node` (a def, class or lambda holds its whole subtree:
+        name, decorators and defaults too); None for a node the fixes built."""
+        found = self._scope_of.get(id(node))
+        if found is None and id(node) in self.index.start:
+            above = self.index.parent.get(id(node))
+            while above is not None and id(above) not in self.scopes:
+                above = self.index.parent.get(id(above))
+            found = self._scope_of[id(node)] = self.scopes[id(above if above is not None else self.module)]
+        return found
 
     def function(self, node: cst.CSTNode) -> Optional[Function]:
         """The same-file function (def or lambda) whose body holds `node`."""
         scope: Optional[Scope] = self.scope(node)
         while scope is not None and isinstance(scope.node, cst.ClassDef):
-            scope = self._scope_of.get(id(scope.node))
+            scope = self._scope_at(scope.node)
         return self.functions.get(id(scope.node)) if scope is not None else None
 
     def inside(self, node: cst.CSTNode, kinds) -> List[cst.CSTNode]:
@@ -346,7 +361,7 @@ class Structure:
         scope = self.scope(root) if not isinstance(root, (cst.FunctionDef, cst.Lambda, cst.ClassDef)) \
             else self.scopes[id(root)]
         types = _types(kinds)
-        return [n for n in self.index.subtree(root) if type(n) in types and self._scope_of.get(id(n)) is scope]
+        return [n for n in self.index.subtree(root) if type(n) in types and self._scope_at(n) is scope]
 
     # -- names ---------------------------------------------------------------------------
     def lookup(self, name: str, scope: Scope, at: float = NEVER) -> Tuple[Optional[Scope], List[Binding]]:

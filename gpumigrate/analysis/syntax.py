@@ -104,6 +104,15 @@ def findall(root: cst.CSTNode, matcher) -> list:
     return ctx.find(root, matcher) if ctx is not None else m.findall(root, matcher)
 
 
+def name_assigns(module: cst.Module) -> list:
+    """`findall(module, m.Assign(targets=[m.AssignTarget(m.Name())]))`: assignments of one
+    plain name, read from the node index (three rules ask, and the matcher is a tenth of a lint)."""
+    ctx = CURRENT.get()
+    if ctx is None or ctx.module is not module:
+        return m.findall(module, m.Assign(targets=[m.AssignTarget(m.Name())]))
+    return [a for a in ctx.index.of(cst.Assign) if len(a.targets) == 1 and type(a.targets[0].target) is cst.Name]
+
+
 def last_name(node: cst.BaseExpression) -> Optional[str]:
     if isinstance(node, cst.Name):
         return node.value

@@ -23,6 +23,7 @@ from gpumigrate.codemods.helpers import (
     is_method_call,
     keyword_arg,
     literal_str,
+    name_assigns,
     remove_statement,
     runtime_module,
     with_args,
@@ -160,7 +161,7 @@ class CudaTensorType(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.aliases: Dict[str, str] = {}
-        for assign in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())])):
+        for assign in name_assigns(node):
             value = assign.value
             branches = [value.body, value.orelse] if isinstance(value, cst.IfExp) else [value]
             for branch in branches:

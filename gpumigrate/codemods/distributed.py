@@ -30,6 +30,7 @@ from gpumigrate.codemods.helpers import (
     literal_bool,
     literal_int,
     literal_str,
+    name_assigns,
     remove_statement,
     runtime_name,
     same_code,
@@ -296,7 +297,7 @@ class DataParallelWrapper(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-        self.wrapped = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())]))
+        self.wrapped = {a.targets[0].target.value for a in name_assigns(node)
                         if any(self.qualify(c.func) in DATA_PARALLEL for c in findall(a.value, m.Call()))}
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
@@ -990,9 +991,8 @@ class WrappedAttribute(Rule):
             self.wrapped = self.plan.wrapped_reference
             return
         wrappers = DATA_PARALLEL + DDP_CLASSES
-        names = {a.targets[0].target.value for a in findall(node, m.Assign(targets=[m.AssignTarget(m.Name())],
-                                                                            value=m.Call()))
-                 if self.qualify(a.value.func) in wrappers}
+        names = {a.targets[0].target.value for a in name_assigns(node)
+                 if type(a.value) is cst.Call and self.qualify(a.value.func) in wrappers}
         self.wrapped = lambda ref: isinstance(ref, cst.Name) and ref.value in names
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):

@@ -19,6 +19,7 @@ from gpumigrate.analysis.syntax import (  # noqa: F401  (re-exported: rules read
     literal_str,
     loop_index,
     moves_to,
+    name_assigns,
     positional_args,
     runtime_helper,
     same_code,

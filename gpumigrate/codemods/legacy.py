@@ -873,10 +873,10 @@ def _data_leaves(value: cst.BaseExpression) -> List[cst.Attribute]:
 def accumulated_data(ctx) -> Set[str]:
     """Names that accumulate `.data` (`total_loss += loss.data`) and are read with `[0]`."""
     def build(ctx) -> Set[str]:
-        module = ctx.module
-        accumulated = {aug.target.value for aug in findall(module, m.AugAssign(target=m.Name(), operator=m.AddAssign()))
-                       if _data_leaves(aug.value)}
-        indexed = {sub.value.value for sub in findall(module, m.Subscript(value=m.Name())) if _index_zero(sub)}
+        index = ctx.index  # every AugAssign and Subscript of the module: by class, without matchers
+        accumulated = {aug.target.value for aug in index.of(cst.AugAssign)
+                       if type(aug.target) is cst.Name and type(aug.operator) is cst.AddAssign and _data_leaves(aug.value)}
+        indexed = {sub.value.value for sub in index.of(cst.Subscript) if type(sub.value) is cst.Name and _index_zero(sub)}
         return accumulated & indexed
 
     return ctx.shared("accumulated-data", build)

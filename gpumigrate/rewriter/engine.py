@@ -216,32 +216,35 @@ class NodeIndex(cst.CSTVisitor):
         children are read in the order LibCST visits them (`_child_fields`)."""
         order, start, end, parent = self.order, self.start, self._end, self._parent
         nodes, fields_of = node_types(cst.CSTNode), _FIELDS
-        work: List[Tuple[Optional[cst.CSTNode], int]] = [(root, -1)]
-        push, pop = work.append, work.pop
+        work: List[cst.CSTNode] = [root]
+        above_of: List[int] = [-1]  # the position of each waiting node's parent
+        pop, pop_above = work.pop, above_of.pop
         while work:
-            node, above = pop()
-            if node is None:  # the subtree of position `above` is done
-                end[above] = len(order)
-                continue
+            node, above = pop(), pop_above()
             at = len(order)
             start[id(node)] = at
             order.append(node)
-            end.append(at)
             parent.append(above)
-            push((None, at))
             kind = type(node)
             fields = fields_of.get(kind)
             if fields is None:
                 fields = fields_of[kind] = _child_fields(kind)
-            children = []  # `_children`, inlined: this runs for every node of the file
+            children = []  # this runs for every node of the file: no helper call
             for name in fields:
                 value = getattr(node, name)
                 if type(value) in nodes:
                     children.append(value)
                 elif type(value) is tuple or type(value) is list:
                     children.extend([v for v in value if type(v) in nodes])
-            for child in reversed(children):
-                push((child, at))
+            if children:
+                children.reverse()
+                work.extend(children)
+                above_of.extend([at] * len(children))
+        # a subtree ends where its last descendant's does: children come after their parent
+        end.extend(range(1, len(order) + 1))
+        for k in range(len(order) - 1, 0, -1):
+            if end[k] > end[parent[k]]:
+                end[parent[k]] = end[k]
         return self
 
     def on_visit(self, node: cst.CSTNode) -> bool:
@@ -900,8 +903,8 @@ def _statement_lines(tree: ast.Module, text: str) -> List[Tuple[int, Optional[in
                 out.append((decorators[0].lineno, None, stmt.end_lineno))
             else:
                 out.append((stmt.lineno, column(stmt), stmt.end_lineno))
-            for field in ("body", "handlers", "orelse", "finalbody", "cases"):
-                for inner in getattr(stmt, field, ()):
+            for part in ("body", "handlers", "orelse", "finalbody", "cases"):
+                for inner in getattr(stmt, part, ()):
                     walk(inner.body if isinstance(inner, (ast.ExceptHandler, ast.match_case)) else [inner])
 
     walk(tree.body)
@@ -965,6 +968,10 @@ def process(
         ctx.fixing = set(fix)
         if judged and _fast_traversal():
             ctx.statement_lines = statement_lines
+        elif GATES and not fix and parsed_source is not read and _fast_traversal():
+            tree = _python_tree(parsed_source, path)  # repaired (`async=`): its statements, for positions
+            if tree is not None:
+                ctx.statement_lines = _statement_lines(tree, text)
         # A repair is reported under its own code only if that rule is selected; when the
         # file is rewritten the repair is part of the output either way, and counts as a fix.
         codes = {r.code for r in rules}
