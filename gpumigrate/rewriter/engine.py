@@ -189,9 +189,21 @@ def _fast_traversal() -> bool:
     return FAST_TRAVERSAL and _readable_libcst()
 
 
+@functools.lru_cache(maxsize=1)
+def _trivia() -> frozenset:
+    """Whitespace, comments, punctuation and operator tokens: three fifths of a tree's nodes,
+    which no rule looks up (rules read them as attributes: `aug.operator`); their subtrees
+    hold nothing else."""
+    kinds = (cst.BaseParenthesizableWhitespace, cst.EmptyLine, cst.TrailingWhitespace, cst.Newline, cst.Comment,
+             cst.BaseBinaryOp, cst.BaseBooleanOp, cst.BaseCompOp, cst.BaseUnaryOp, cst.BaseAugOp, cst.AssignEqual,
+             cst.Colon, cst.Comma, cst.Dot, cst.Semicolon, cst.LeftParen, cst.RightParen, cst.LeftSquareBracket,
+             cst.RightSquareBracket, cst.LeftCurlyBrace, cst.RightCurlyBrace)
+    return frozenset().union(*(node_types(kind) for kind in kinds))
+
+
 class NodeIndex(cst.CSTVisitor):
-    """Every node of the original tree in pre-order, with where each subtree ends and each
-    node's parent.
+    """Every node of the original tree in pre-order (but trivia: `_trivia`), with where each
+    subtree ends and each node's parent.
 
     One visit builds it; afterwards "all calls under this statement" is a slice and an
     isinstance test instead of a matcher visitor per query (LibCST's findall visits every
@@ -215,7 +227,7 @@ class NodeIndex(cst.CSTVisitor):
         traversal always replaces children), which cost more than a fifth of a lint. The
         children are read in the order LibCST visits them (`_child_fields`)."""
         order, start, end, parent = self.order, self.start, self._end, self._parent
-        nodes, fields_of = node_types(cst.CSTNode), _FIELDS
+        nodes, fields_of = node_types(cst.CSTNode) - _trivia(), _FIELDS
         work: List[cst.CSTNode] = [root]
         above_of: List[int] = [-1]  # the position of each waiting node's parent
         pop, pop_above = work.pop, above_of.pop
@@ -248,6 +260,8 @@ class NodeIndex(cst.CSTVisitor):
         return self
 
     def on_visit(self, node: cst.CSTNode) -> bool:
+        if type(node) in _trivia():
+            return False
         at = len(self.order)
         self.start[id(node)] = at
         self.order.append(node)
@@ -274,7 +288,8 @@ class NodeIndex(cst.CSTVisitor):
         return i is not None and self.start[id(outer)] <= i < self.end[id(outer)]
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
-        self._end[self._stack.pop()] = len(self.order)
+        if type(original_node) not in _trivia():
+            self._end[self._stack.pop()] = len(self.order)
 
     # LibCST looks up a `visit_<Node>_<field>` hook for every field of every node; no one
     # here defines such hooks, and skipping the lookups saves a tenth of a traversal.
