@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Set, Tuple
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis.syntax import findall, get_arg, is_method_call, literal_int, literal_str, runtime_helper
+from gpumigrate.rewriter.lazy import matchers as m
 
 CUDA_TYPES = {
     "FloatTensor": "float32", "DoubleTensor": "float64", "HalfTensor": "float16",

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.rewriter.engine import CURRENT
+from gpumigrate.rewriter.lazy import matchers as m
 from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE, VENDORED_MODULE
 
 # Where a rewritten script imports the runtime from: the package, or the one-module copy that

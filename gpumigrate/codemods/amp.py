@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.structure import dotted
@@ -15,6 +14,7 @@ from gpumigrate.codemods.distributed import _APEX_PARALLEL
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.helpers import call_method, get_arg, keyword_arg, literal_str, runtime_name, torch_name
 from gpumigrate.rewriter.facts import SourceFacts
+from gpumigrate.rewriter.lazy import matchers as m
 
 _HEAD = "import torch\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import functools
+from typing import Any, Dict, Optional
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
@@ -29,10 +29,14 @@ from gpumigrate.codemods.helpers import (
     with_args,
 )
 from gpumigrate.rewriter.facts import SourceFacts
+from gpumigrate.rewriter.lazy import matchers as m
 from gpumigrate.rewriter.names import dotted
 from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE, VENDORED_MODULE
 
-_CUDA_METHOD = m.Call(func=m.Attribute(attr=m.Name("cuda")))
+@functools.lru_cache(maxsize=1)
+def _cuda_method() -> Any:
+    """One matcher object (made at first use: see rewriter/lazy.py), so `find` can remember it."""
+    return m.Call(func=m.Attribute(attr=m.Name("cuda")))
 _SET_DEVICE = "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it (LOCAL_RANK's GPU under torchrun)"
 
 
@@ -374,7 +378,7 @@ class HardcodedDevice(Rule):
 
     def _hardcodes_cuda(self, stmt: cst.CSTNode) -> bool:
         """`.cuda()` or a CUDA tensor type (`x.type(torch.cuda.FloatTensor)`) in a statement."""
-        return bool(findall(stmt, _CUDA_METHOD)) or any(
+        return bool(findall(stmt, _cuda_method())) or any(
             cuda_type_dtype(self.qualify(a)) for a in findall(stmt, m.Attribute()))
 
     def _cpu_twin(self, node: cst.If) -> bool:
@@ -391,7 +395,7 @@ class HardcodedDevice(Rule):
 
 class _DropCuda(cst.CSTTransformer):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
-        if m.matches(updated, _CUDA_METHOD):
+        if m.matches(updated, _cuda_method()):
             return updated.func.value
         return updated
 

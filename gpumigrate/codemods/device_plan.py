@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Set, Tuple
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.devices import (  # noqa: F401  (rules import these from the plan)
@@ -26,6 +25,7 @@ from gpumigrate.analysis.devices import (  # noqa: F401  (rules import these fro
 )
 from gpumigrate.codemods.helpers import findall, fresh_name, get_arg, literal_int, runtime_name, torch_name
 from gpumigrate.rewriter.engine import FileContext
+from gpumigrate.rewriter.lazy import matchers as m
 
 
 @dataclass

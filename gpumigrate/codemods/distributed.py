@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
@@ -37,6 +36,7 @@ from gpumigrate.codemods.helpers import (
     with_args,
 )
 from gpumigrate.rewriter.facts import SourceFacts
+from gpumigrate.rewriter.lazy import matchers as m
 
 DATA_PARALLEL = ("torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
                  "torch.nn.parallel.data_parallel.DataParallel")

@@ -13,7 +13,6 @@ import tokenize
 from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
@@ -33,6 +32,7 @@ from gpumigrate.codemods.helpers import (
     with_args,
 )
 from gpumigrate.rewriter.facts import SourceFacts
+from gpumigrate.rewriter.lazy import matchers as m
 
 VARIABLE = ("torch.autograd.Variable", "torch.autograd.variable.Variable")
 # `from torch.autograd import Variable as V`: the only way to call it by another name.

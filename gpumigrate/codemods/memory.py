@@ -13,7 +13,6 @@ import re
 from typing import List, Optional, Set, Union
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.structure import dotted, target_names
@@ -34,6 +33,7 @@ from gpumigrate.codemods.helpers import (
 )
 from gpumigrate.codemods.legacy import has_no_grad_decorator, no_grad_decorator, no_grad_with, volatile_plan
 from gpumigrate.rewriter.facts import SourceFacts
+from gpumigrate.rewriter.lazy import matchers as m
 
 
 def _operands(expr: cst.BaseExpression):

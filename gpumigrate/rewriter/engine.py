@@ -25,16 +25,17 @@ import warnings
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
-import libcst.matchers as m
-from libcst.codemod import Codemod, CodemodContext
-from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 from libcst.metadata.position_provider import PositionProvidingCodegenState
 
 from gpumigrate.rewriter.facts import SourceFacts, without_data
+from gpumigrate.rewriter.lazy import matchers as m
+
+if TYPE_CHECKING:
+    from libcst.codemod import Codemod
 
 
 @dataclass(frozen=True)
@@ -871,7 +872,11 @@ def _parse(source: bytes, path: str, repairs: Sequence[type],
 
 def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
     # These visitors are costly (RemoveImportsVisitor needs scope analysis): only on files
-    # whose fixes asked for an import edit.
+    # whose fixes asked for an import edit. Imported here: libcst.codemod pulls in
+    # libcst.matchers, which most runs never need (lazy.py).
+    from libcst.codemod import CodemodContext
+    from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
+
     if ctx.imports_to_remove:
         codemod_ctx = CodemodContext()
         for mod, name, asname in ctx.imports_to_remove:
