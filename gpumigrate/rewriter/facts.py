@@ -95,9 +95,6 @@ class SourceFacts:
     def id_containing(self, *parts: str) -> bool:
         return any(part in name for name in self.ids for part in parts)
 
-    def string_containing(self, *parts: str) -> bool:
-        return any(part in s for s in self.strings for part in parts)
-
 
 # A literal this large is data (tables of tuned kernel parameters, vocabularies), not code a
 # rule reads; LibCST holds about 1.8 KB of objects per byte of source.
