@@ -727,7 +727,7 @@ class EmptyCacheInLoop(Rule):
     # a call qualified as `torch.cuda.empty_cache` / `torch.mps.empty_cache`, inside a loop
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_id("empty_cache") and bool(facts.kinds & {"For", "AsyncFor", "While"})
+        return facts.any_id("empty_cache") and facts.has_loop()
 
     examples = (
         Flagged("import torch\nfor x, y in loader:\n    loss = step(x, y)\n    torch.cuda.empty_cache()\n"),
@@ -832,7 +832,7 @@ class OomRetryLeak(Rule):
     # a `try` in a loop whose handler catches an OutOfMemoryError or tests an "out of memory" literal
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return "Try" in facts.kinds and bool(facts.kinds & {"For", "AsyncFor", "While"}) and (
+        return "Try" in facts.kinds and facts.has_loop() and (
             facts.any_id("OutOfMemoryError") or any("out of memory" in s.lower() for s in facts.strings))
 
     examples = (

@@ -275,7 +275,7 @@ class HostDeviceRoundtrip(Rule):
     # a "cpu..." literal or a name containing "cpu"
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return bool(facts.kinds & {"For", "AsyncFor", "While"}) and facts.any_call("cuda", "to") and (
+        return facts.has_loop() and facts.any_call("cuda", "to") and (
             any("cpu" in i.lower() for i in facts.ids) or any(s.startswith("cpu") for s in facts.strings))
 
     examples = (

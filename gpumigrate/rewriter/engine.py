@@ -31,7 +31,7 @@ import libcst as cst
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
 from libcst.metadata.position_provider import PositionProvidingCodegenState
 
-from gpumigrate.rewriter.facts import SourceFacts, without_data
+from gpumigrate.rewriter.facts import SourceFacts, char_column, statements, without_data
 from gpumigrate.rewriter.lazy import matchers as m
 
 if TYPE_CHECKING:
@@ -911,23 +911,13 @@ def _statement_lines(tree: ast.Module, text: str) -> List[Tuple[int, Optional[in
     LibCST's order."""
     lines = None if text.isascii() else re.split(r"\r\n|\r|\n", text)
     out: List[Tuple[int, Optional[int], int]] = []
-
-    def column(stmt: ast.stmt) -> int:  # ast counts UTF-8 bytes, LibCST characters
-        line = lines[stmt.lineno - 1] if lines is not None else ""
-        return stmt.col_offset if line.isascii() else len(line.encode("utf-8")[:stmt.col_offset].decode("utf-8"))
-
-    def walk(body: List[ast.stmt]) -> None:
-        for stmt in body:
-            decorators = getattr(stmt, "decorator_list", None)
-            if decorators:
-                out.append((decorators[0].lineno, None, stmt.end_lineno))
-            else:
-                out.append((stmt.lineno, column(stmt), stmt.end_lineno))
-            for part in ("body", "handlers", "orelse", "finalbody", "cases"):
-                for inner in getattr(stmt, part, ()):
-                    walk(inner.body if isinstance(inner, (ast.ExceptHandler, ast.match_case)) else [inner])
-
-    walk(tree.body)
+    for stmt in statements(tree.body):
+        decorators = getattr(stmt, "decorator_list", None)
+        if decorators:
+            out.append((decorators[0].lineno, None, stmt.end_lineno))
+        else:
+            column = stmt.col_offset if lines is None else char_column(lines[stmt.lineno - 1], stmt.col_offset)
+            out.append((stmt.lineno, column, stmt.end_lineno))
     return out
 
 
@@ -963,7 +953,7 @@ def process(
         repairs = rules if repairs is None else repairs
         fix = list(fix)
         tree = _python_tree(source, path) if GATES and not fix else None
-        judged, read = tree is not None, source
+        judged, read, whole = tree is not None, source, None
         if tree is not None:  # lint: only rules that can report here, and LibCST only if one can
             whole = _decode(source, path)
             facts = SourceFacts.of(tree, whole)
@@ -976,15 +966,15 @@ def process(
             statement_lines = _statement_lines(tree, whole)
             del tree, facts, light
         module, parsed_source, early = _parse(read, path, repairs, judged=judged)
-        text = _decode(parsed_source, path)
-        whole = text if read is source else _decode(source, path)
+        text = whole if whole is not None and parsed_source is source else _decode(parsed_source, path)
+        whole = whole if whole is not None else text  # rules read the whole text, not the light one
         skip, off = file_noqa(whole) if "gpumigrate" in whole else (False, [])
         if skip:
             return result
         if off:
             rules = [r for r in rules if not _covers(off, r.code)]
             fix = [c for c in fix if not _covers(off, c)]
-        ctx = FileContext(module, path, whole, names_factory(module), options)  # rules read the whole text
+        ctx = FileContext(module, path, whole, names_factory(module), options)
         ctx.fixing = set(fix)
         if judged and _fast_traversal():
             ctx.statement_lines = statement_lines

@@ -95,22 +95,31 @@ class SourceFacts:
     def id_containing(self, *parts: str) -> bool:
         return any(part in name for name in self.ids for part in parts)
 
+    def has_loop(self) -> bool:
+        return not self.kinds.isdisjoint(("For", "AsyncFor", "While"))
+
+
+def char_column(line: str, byte: int) -> int:
+    """LibCST's column (characters) of the stdlib parser's `col_offset` (UTF-8 bytes)."""
+    return byte if line.isascii() else len(line.encode("utf-8")[:byte].decode("utf-8"))
+
+
+def statements(body: List[ast.stmt]) -> Iterator[ast.stmt]:
+    """Every statement, nested ones too, in the order LibCST lists them (pre-order; a
+    compound statement's body, handlers, else, finally, match cases)."""
+    for stmt in body:
+        yield stmt
+        for part in ("body", "handlers", "orelse", "finalbody", "cases"):
+            for inner in getattr(stmt, part, ()):
+                yield from statements(inner.body if isinstance(inner, (ast.ExceptHandler, ast.match_case))
+                                      else [inner])
+
 
 # A literal this large is data (tables of tuned kernel parameters, vocabularies), not code a
 # rule reads; LibCST holds about 1.8 KB of objects per byte of source.
 DATA_LITERAL_CHARS = 20_000
 _CONTAINERS = {ast.Dict: "{}", ast.List: "[]", ast.Tuple: "()", ast.Set: "{}"}
-_LEAVES = frozenset({ast.Constant, ast.UnaryOp, ast.USub, ast.UAdd, ast.Load})
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n|$)")
-
-
-def _statements(body: list) -> Iterator[ast.stmt]:
-    for stmt in body:
-        yield stmt
-        for field in ("body", "orelse", "finalbody", "handlers"):
-            inner = getattr(stmt, field, None)
-            if isinstance(inner, list):
-                yield from _statements(inner)
 
 
 def _dotted(node: ast.AST) -> bool:
@@ -143,13 +152,13 @@ def _only_looked_into(tree: ast.Module, names: Set[str]) -> Set[str]:
     """Those of `names` whose every read is `NAME[k]`, `NAME.attr`, `k in NAME`, or a loop
     over it (directly or through a call such as `sorted(NAME)`): no unpacking, argument or
     alias carries their elements into the analysis."""
-    reads: Dict[str, int] = {}
+    reads: List[ast.Name] = []
     looked: Set[int] = set()
-    for node in ast.walk(tree):
+    for node in _every_node(tree):
         kind = type(node)
         if kind is ast.Name:
             if node.id in names and type(node.ctx) is ast.Load:
-                reads[node.id] = reads.get(node.id, 0) + 1
+                reads.append(node)
         elif kind is ast.Subscript or kind is ast.Attribute:
             looked.add(id(node.value))
         elif kind is ast.Compare:
@@ -158,11 +167,7 @@ def _only_looked_into(tree: ast.Module, names: Set[str]) -> Set[str]:
             looked.add(id(node.iter))
             if type(node.iter) is ast.Call:
                 looked.update(id(arg) for arg in node.iter.args)
-    seen: Dict[str, int] = {}
-    for node in ast.walk(tree):
-        if type(node) is ast.Name and node.id in names and id(node) in looked:
-            seen[node.id] = seen.get(node.id, 0) + 1
-    return {name for name in names if reads.get(name, 0) == seen.get(name, 0)}
+    return names - {read.id for read in reads if id(read) not in looked}
 
 
 class _Canvas:
@@ -191,7 +196,7 @@ def _pruned(value: ast.AST, lines: List[str]) -> Optional[_Canvas]:
     canvas = _Canvas()
 
     def col(line: int, byte: int) -> int:
-        return len(lines[line - 1].encode("utf-8")[:byte].decode("utf-8"))
+        return char_column(lines[line - 1], byte)
 
     def has_name(node: ast.AST) -> bool:
         return any(type(n) in (ast.Name, ast.Attribute) for n in ast.walk(node))
@@ -234,13 +239,13 @@ def _pruned(value: ast.AST, lines: List[str]) -> Optional[_Canvas]:
 
 def without_data(text: str, tree: ast.Module) -> str:
     """`text` with each large data literal bound to a plain name (`TABLE = {...}`, read only
-    as `TABLE[k]` or `TABLE.get(k)`) pruned to the dotted names it holds, each at its own
+    as `TABLE[k]`, `TABLE.get(k)`, `k in TABLE` or by a loop) pruned to the dotted names it holds, each at its own
     line and column, every line kept: everything else keeps its place. No rule reports on a
     constant, and the analysis reads such a literal's elements only for what names they
     hold, so lint finds the same at a fraction of LibCST's memory."""
     lines: List[str] = []
     spans: Dict[str, ast.AST] = {}
-    for stmt in _statements(tree.body):
+    for stmt in statements(tree.body):
         kind = type(stmt)
         if kind is ast.Assign and len(stmt.targets) == 1:
             target, value = stmt.targets[0], stmt.value
@@ -260,8 +265,7 @@ def without_data(text: str, tree: ast.Module) -> str:
     done = False
     for value in sorted((v for name, v in spans.items() if name in kept), key=lambda v: v.lineno, reverse=True):
         first, last = lines[value.lineno - 1], lines[value.end_lineno - 1]
-        start = len(first.encode("utf-8")[: value.col_offset].decode("utf-8"))
-        end = len(last.encode("utf-8")[: value.end_col_offset].decode("utf-8"))
+        start, end = char_column(first, value.col_offset), char_column(last, value.end_col_offset)
         if last[end:].strip() and not last[end:].lstrip().startswith("#"):
             continue  # more code after it on its last line would move
         canvas = _pruned(value, lines)
