@@ -6,16 +6,18 @@ answer without loading them."""
 from __future__ import annotations
 
 import difflib
+import errno
 import os
+import stat
 import sys
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import click
 
 from gpumigrate import __version__
 from gpumigrate.config import Config, ConfigError, load_config
 from gpumigrate.rewriter.diff import colourize, file_diff
-from gpumigrate.rewriter.files import discover
+from gpumigrate.rewriter.files import BadPattern, discover
 from gpumigrate.targets import TargetError, parse_target
 
 if TYPE_CHECKING:
@@ -42,6 +44,33 @@ class _DefaultToMigrate(click.Group):
                 raise click.UsageError(f"{first}: no such command, file or directory{hint}", ctx)
             args = ["migrate", *args]
         return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _OutputFailed as exc:
+            _err(f"error: cannot write to standard output: {exc}")
+            sys.exit(EXIT_ERROR)
+
+
+class _OutputFailed(Exception):
+    """Standard output refused a write (a full device, a broken disk): the reason."""
+
+
+def _echo(data: Union[str, bytes], *, nl: bool = True, color: Optional[bool] = None) -> None:
+    """`click.echo` to standard output. A write that fails is one line and exit 2 (a closed
+    pipe, `| head`, stays click's: a quiet exit); what is left in the buffer goes nowhere,
+    so that the exit does not fail a second time with a traceback."""
+    try:
+        click.echo(data, nl=nl, color=color)
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            raise
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        raise _OutputFailed(exc.strerror or str(exc)) from None
 
 
 @click.group(cls=_DefaultToMigrate, context_settings={"help_option_names": ["-h", "--help"]})
@@ -74,7 +103,7 @@ def _colour(choice: str) -> Optional[bool]:
 
 
 def _show_diff(path: str, old: bytes, new: bytes, colour: Optional[bool]) -> None:
-    click.echo(colourize(file_diff(path, old, new)), nl=False, color=colour)
+    _echo(colourize(file_diff(path, old, new)), nl=False, color=colour)
 
 
 _COLOR = click.option("--color", "color", type=click.Choice(["auto", "always", "never"]), default="auto",
@@ -89,7 +118,7 @@ _STDIN_NAME = click.option("--stdin-filename", metavar="PATH", default=None,
 _JOBS = click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, metavar="N",
                      help="Files processed at a time, each in a worker process (default: one per CPU).")
 _NO_CACHE = click.option("--no-cache", is_flag=True,
-                         help="Do not read or write the results cache (.gpumigrate_cache beside pyproject.toml, or "
+                         help="Do not read or write the results cache (in the user's cache folder, or "
                               "GPUMIGRATE_CACHE_DIR).")
 
 
@@ -174,7 +203,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module}
     results: List[FileResult] = []
     processed = _process(files, stdin_filename, plan, options, max_size=config.max_file_size, jobs=jobs,
-                         cache=False if no_cache else config.path)
+                         cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
     for result in _progress(processed, len(files), "migrating") if quiet else processed:
         results.append(result)
         _deliver(result, show_diff, check, output, reading_stdin, quiet, _colour(color))
@@ -224,26 +253,41 @@ def _vendor_note(results: List["FileResult"], directory: str, output: Optional[s
 
 def _process(files: Sequence[str], stdin_filename: Optional[str],
              plan: Callable[[str], Tuple[List[type], List[str]]], options: Optional[dict] = None,
-             max_size: Optional[int] = None, jobs: Optional[int] = None,
-             cache: Union[str, None, bool] = False) -> Iterator["FileResult"]:
-    """The files (or stdin, under the name given for it) through the engine, in worker
-    processes `jobs` at a time: a file that crashes its worker is that file's error, and the
-    run goes on. `plan(name)`: the rules and the codes to fix for a file. Results come in
-    input order; a file over `max_size` bytes is skipped, as an error. `cache`: False for
-    none, else the configuration file whose folder holds the cache (None: the current one)."""
+             max_size: Optional[int] = None, jobs: Optional[int] = None, cache: bool = False,
+             stdin: bool = False, file_timeout: Optional[float] = None) -> Iterator["FileResult"]:
+    """The files (or, `stdin`, standard input under the name given for it) through the
+    engine, in worker processes `jobs` at a time: a file that crashes its worker, or takes
+    longer than `file_timeout` seconds, is that file's error, and the run goes on.
+    `plan(name)`: the rules and the codes to fix for a file. Results come in input order; a
+    file over `max_size` bytes is skipped, as an error. `cache`: use the results cache."""
     from gpumigrate.rewriter.cache import Cache, cache_dir
     from gpumigrate.rewriter.workers import Task, process_cached
 
     repairs = tuple(_repairs())
-    tasks = []
-    for path in files:
-        rules, fix = plan(stdin_filename or path if path == STDIN else path)  # the name only names stdin
-        if path == STDIN:
-            tasks.append(Task(stdin_filename or "<stdin>", tuple(rules), tuple(fix), options, repairs,
-                              source=sys.stdin.buffer.read()))
-        else:
-            tasks.append(Task(path, tuple(rules), tuple(fix), options, repairs, max_size))
-    return process_cached(tasks, jobs, None if cache is False else Cache(cache_dir(cache)))
+    if stdin:
+        name = stdin_filename or "<stdin>"
+        rules, fix = plan(stdin_filename or STDIN)
+        tasks = [Task(name, tuple(rules), tuple(fix), options, repairs, source=_read_stdin(max_size))]
+    else:
+        tasks = [Task(path, *map(tuple, plan(path)), options, repairs, max_size) for path in files]
+    return process_cached(tasks, jobs, Cache(cache_dir()) if cache else None, file_timeout)
+
+
+def _read_stdin(max_size: Optional[int]) -> bytes:
+    """Standard input, at most `max_size` bytes of it (`/dev/zero` never ends): more is one
+    line and exit 2, as a file over the limit is."""
+    try:
+        data = sys.stdin.buffer.read(max_size + 1) if max_size is not None else sys.stdin.buffer.read()
+    except MemoryError:
+        data = None
+    except OSError as exc:
+        _err(f"error: cannot read standard input: {exc.strerror or exc}")
+        sys.exit(EXIT_ERROR)
+    if data is None or (max_size is not None and len(data) > max_size):
+        limit = f"the {max_size:,} bytes limit (max-file-size)" if max_size is not None else "what memory holds"
+        _err(f"error: standard input is over {limit}; nothing was changed")
+        sys.exit(EXIT_ERROR)
+    return data
 
 
 def _repairs() -> List[type]:
@@ -270,7 +314,7 @@ def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optiona
     elif check:
         pass
     elif to_stdout:
-        click.echo(result.new_source if result.changed else result.source, nl=False)
+        _echo(result.new_source if result.changed else result.source, nl=False)
     elif result.changed or output:
         write_result(result, output or "")
         if result.error:
@@ -290,23 +334,43 @@ def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optiona
 
 
 def _check_report_path(path: str, inputs: Sequence[str]) -> None:
-    """Before anything is written: the report must not overwrite an input, and its folder
-    must be writable (exit 2, as for every usage error)."""
-    if os.path.realpath(path) in {os.path.realpath(f) for f in inputs if f != STDIN}:
-        raise click.UsageError(f"--report {path}: that is one of the inputs")
+    """Before anything is written: the report must not overwrite an input (by any name: a
+    hard or symbolic link too), must be a regular file (a FIFO would hang the run), and its
+    folder must be writable (exit 2, as for every usage error)."""
+    from gpumigrate.rewriter.files import kind_of
+
+    try:
+        info: Optional[os.stat_result] = os.stat(path)
+    except OSError:
+        info = None
+    if info is not None:
+        if not stat.S_ISREG(info.st_mode):
+            raise click.UsageError(f"--report {path}: not a regular file ({kind_of(info.st_mode)})")
+        for name in inputs:
+            try:
+                if name != STDIN and os.path.samestat(info, os.stat(name)):
+                    raise click.UsageError(f"--report {path}: that is one of the inputs ({name})")
+            except OSError:
+                continue
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (
-            os.path.exists(path) and not os.access(path, os.W_OK)):
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (info is not None and not os.access(path, os.W_OK)):
         raise click.UsageError(f"--report {path}: cannot write there")
 
 
 def _write_report(path: str, results: List["FileResult"], target: str, written: bool) -> None:
-    """What changed and what needs a human, per file: Markdown, or JSON for a .json name."""
+    """What changed and what needs a human, per file: Markdown, or JSON for a .json name.
+    Written as the scripts are: whole or not at all, never through a FIFO or device."""
+    from gpumigrate.rewriter.files import Refused, write_atomic
     from gpumigrate.rewriter.report import migration_report
 
+    text = migration_report(results, target, json_format=path.endswith(".json"), written=written)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(migration_report(results, target, json_format=path.endswith(".json"), written=written))
+        write_atomic(path, text.encode("utf-8"), new_mode=0o666 & ~umask)
+    except Refused as exc:
+        _err(f"error: --report {path}: {exc}")
+        sys.exit(EXIT_ERROR)
     except OSError as exc:
         _err(f"error: --report {path}: cannot write: {exc.strerror or exc}")
         sys.exit(EXIT_ERROR)
@@ -348,7 +412,11 @@ def _check_config_codes(config: Config) -> None:
 def _discover(paths: Sequence[str], config: Config, exclude: Sequence[str]) -> List[str]:
     """The files under PATHS. A path that does not exist stops the run before anything is
     read or written; a selection with no files says so."""
-    files, errors = discover(paths, config.exclude_spec(extra=exclude))
+    try:
+        spec = config.exclude_spec(extra=exclude)
+    except BadPattern as exc:
+        raise click.UsageError(f"--exclude {exc}") from None
+    files, errors = discover(paths, spec)
     if errors:
         for error in errors:
             _err(f"error: {error}")
@@ -433,7 +501,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         return rules, ([r.code for r in rules if r.fixed_in] if fix else [])
 
     processed = _process(files, stdin_filename, plan, max_size=config.max_file_size, jobs=jobs,
-                         cache=False if no_cache else config.path)
+                         cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
     for result in _progress(processed, len(files), "linting"):
         if result.error:
             failed += 1
@@ -443,7 +511,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
             _show_diff(result.path, result.source, result.new_source, colour)
         elif fix and reading_stdin and fmt == "text":
             # like ruff: the fixed source is the output, findings go to stderr
-            click.echo(result.new_source if result.changed else result.source, nl=False)
+            _echo(result.new_source if result.changed else result.source, nl=False)
         elif fix and result.changed and not reading_stdin:
             write_result(result)
             if result.error:
@@ -459,14 +527,17 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
     infos = {r.code: report.RuleInfo(r.code, r.name, r.message, r.docs(), bool(r.fixed_in))
              for r in selection.rules}
     if fmt == "json":
-        click.echo(report.as_json(located, infos), nl=False)
+        _echo(report.as_json(located, infos), nl=False)
     elif fmt == "sarif":
-        click.echo(report.as_sarif(located, infos), nl=False)
+        _echo(report.as_sarif(located, infos), nl=False)
     elif fmt == "github":
-        click.echo(report.as_github(located), nl=False)
+        _echo(report.as_github(located), nl=False)
     elif not show_diff:
         text = report.as_text(located)
-        click.echo(text, nl=False, err=fix and reading_stdin)
+        if fix and reading_stdin:
+            click.echo(text, nl=False, err=True)
+        else:
+            _echo(text, nl=False)
     fixable = sum(1 for i in located if RULES_BY_CODE[i.finding.code].fixed_in and not i.finding.review)
     _lint_summary(len(located), fixable, fixed, len(files_with), len(files) - failed, failed, fix, show_diff)
     sys.exit(EXIT_ERROR if failed else EXIT_CHANGES if located else EXIT_OK)
@@ -522,14 +593,14 @@ def list_rules(fmt: str) -> None:
 
     rules = sorted(ALL_RULES, key=lambda r: r.code)
     if fmt == "markdown":
-        click.echo(rules_markdown(), nl=False)
+        _echo(rules_markdown(), nl=False)
         return
     width = max(len(r.name) for r in rules)
-    click.echo(f"{'code':<6} {'name':<{width}}  {'fixed by':<9} message")
+    _echo(f"{'code':<6} {'name':<{width}}  {'fixed by':<9} message")
     for rule in rules:
         fix = ", ".join(sorted(rule.fixed_in)) or "lint only"
         step = "" if rule.lint else " (a migration step; `lint` does not report it)"
-        click.echo(f"{rule.code:<6} {rule.name:<{width}}  {fix:<9} {rule.message}{step}")
+        _echo(f"{rule.code:<6} {rule.name:<{width}}  {fix:<9} {rule.message}{step}")
 
 
 def rules_markdown() -> str:
@@ -556,15 +627,15 @@ def explain(code: str) -> None:
     if rule is None:
         raise click.BadParameter(f"no rule {code!r}; `gpumigrate rules` lists them", param_hint="CODE")
     fix = ", ".join(sorted(rule.fixed_in)) or "none (lint only)"
-    click.echo(f"{rule.code} ({rule.name})\n\n{rule.message}\n\nFixed by the migration to: {fix}\n")
-    click.echo(rule.docs())
+    _echo(f"{rule.code} ({rule.name})\n\n{rule.message}\n\nFixed by the migration to: {fix}\n")
+    _echo(rule.docs())
     flagged = [e for e in rule.examples if isinstance(e, Flagged)]
     clean = [e for e in rule.examples if isinstance(e, Clean)]
     if flagged:
-        click.echo("\n## Flagged")
+        _echo("\n## Flagged")
         for e in flagged:
-            click.echo("```python\n" + e.code + "```")
+            _echo("```python\n" + e.code + "```")
     if clean:
-        click.echo("\n## Not flagged")
+        _echo("\n## Not flagged")
         for e in clean:
-            click.echo("```python\n" + e.code + "```")
+            _echo("```python\n" + e.code + "```")

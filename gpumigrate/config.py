@@ -7,6 +7,7 @@
     exclude = ["legacy/"]          # gitignore-style, relative to this file's folder
     extend-exclude = ["*_old.py"]  # added to `exclude` (a shared config sets one, a project the other)
     max-file-size = 20_000_000     # bytes (default 10 MB); a larger file is skipped, as an error
+    file-timeout = 600             # seconds a file may take (default 300); a slower one is an error
     [tool.gpumigrate.per-file-ignores]
     "notebooks/*.py" = ["GM601"]
 """
@@ -21,13 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Exclusions
+from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, BadPattern, Exclusions
 from gpumigrate.targets import TargetError, parse_target
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+# Seconds one file may take (`file-timeout`): far beyond any real script (the slowest of 4 MB of
+# torch's own sources takes seconds), short enough that a pathological file ends the run.
+DEFAULT_FILE_TIMEOUT = 300.0
 
 
 class ConfigError(Exception):
@@ -44,13 +50,17 @@ class Config:
     extend_exclude: List[str] = field(default_factory=list)
     per_file_ignores: Dict[str, List[str]] = field(default_factory=dict)
     max_file_size: int = DEFAULT_MAX_FILE_SIZE
+    file_timeout: float = DEFAULT_FILE_TIMEOUT
 
     def exclude_spec(self, extra: Sequence[str] = ()) -> Exclusions:
         """The configured exclusions, relative to the config's folder, and `extra` (from the
         command line), relative to the working directory."""
         spec = Exclusions()
         if self.path is not None:
-            spec.add(self.path.parent, [*self.exclude, *self.extend_exclude])
+            try:
+                spec.add(self.path.parent, [*self.exclude, *self.extend_exclude])
+            except BadPattern as exc:
+                raise ConfigError(f"{self.path}: [tool.gpumigrate] exclude: {exc}") from None
         return spec.add(Path.cwd(), list(extra))
 
     def ignored_for(self, file: str) -> List[str]:
@@ -142,7 +152,8 @@ def load_config(paths: Sequence[str]) -> Config:
     if found is None:
         return Config()
     path, table = found
-    known = {"target", "select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "max-file-size"}
+    known = {"target", "select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "max-file-size",
+             "file-timeout"}
     unknown = sorted(set(table) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown [tool.gpumigrate] setting {unknown[0]!r}")
@@ -161,10 +172,14 @@ def load_config(paths: Sequence[str]) -> Config:
     max_size = table.get("max-file-size", DEFAULT_MAX_FILE_SIZE)
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0:
         raise ConfigError(f"{path}: [tool.gpumigrate] max-file-size must be a positive number of bytes")
-    return Config(
+    timeout = table.get("file-timeout", DEFAULT_FILE_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ConfigError(f"{path}: [tool.gpumigrate] file-timeout must be a positive number of seconds")
+    config = Config(
         path=path,
         target=target,
         max_file_size=max_size,
+        file_timeout=float(timeout),
         select=_strings(table, "select", path),
         ignore=_strings(table, "ignore", path),
         exclude=_strings(table, "exclude", path),
@@ -172,3 +187,5 @@ def load_config(paths: Sequence[str]) -> Config:
         per_file_ignores={k: _strings(per_file, k, path, f"[tool.gpumigrate.per-file-ignores] {k!r}")
                           for k in per_file},
     )
+    config.exclude_spec()  # its patterns are read now: a bad one stops every command before any file
+    return config

@@ -16,9 +16,8 @@ from gpumigrate.rewriter.names import ImportTable
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 
-# The CLI's results cache goes next to a run's pyproject.toml, else in the current folder: the
-# checkout, for most tests. One scratch folder per session instead (tests/test_cache.py sets
-# its own).
+# The CLI's results cache goes to the user's cache folder: the tests must not fill the home of
+# whoever runs them. One scratch folder per session instead (tests/test_cache.py sets its own).
 if "GPUMIGRATE_CACHE_DIR" not in os.environ:
     os.environ["GPUMIGRATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpumigrate-test-cache-")
     atexit.register(shutil.rmtree, os.environ["GPUMIGRATE_CACHE_DIR"], ignore_errors=True)

@@ -54,6 +54,10 @@ BROKEN = {
     "unknown-key": (b"[tool.gpumigrate]\ncolour = 1\n", ["unknown [tool.gpumigrate] setting 'colour'"]),
     "unknown-code": (b'[tool.gpumigrate]\nselect = ["GM1", "XX9"]\n', ["select: no rule matches 'XX9'"]),
     "per-file-ignores-int": (b"[tool.gpumigrate]\nper-file-ignores = 3\n", ["per-file-ignores must be a table"]),
+    "exclude-bad-range": (b'[tool.gpumigrate]\nexclude = ["[z-a].py"]\n',
+                          ["exclude: '[z-a].py': not a valid pattern (bad character range z-a)"]),
+    "file-timeout-zero": (b"[tool.gpumigrate]\nfile-timeout = 0\n", ["file-timeout must be a positive number"]),
+    "file-timeout-string": (b'[tool.gpumigrate]\nfile-timeout = "5m"\n', ["file-timeout must be a positive"]),
     "per-file-ignores-entry": (b'[tool.gpumigrate.per-file-ignores]\n"a.py" = 3\n',
                                ["[tool.gpumigrate.per-file-ignores] 'a.py' must be a list of strings"]),
     # an unknown code for files that are not even in the run: still found before anything is done
@@ -139,3 +143,73 @@ def test_nearest_config_wins_over_a_broken_one_above(tmp_path):
     _project(tmp_path, b'[tool.gpumigrate]\nignore = ["GM101"]\n', outer=b"[tool.gpumigrate]\nselect = 5\n")
     result = _invoke(["lint", str(tmp_path / "proj" / "src")])
     assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------- bad input on the command line
+
+def _one_line(result: Result, *words: str) -> None:
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") or "Error: " in result.stderr, result.stderr
+    assert all(w in result.stderr for w in words), result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", [["lint"], ["--to", "ddp"], ["--check"]])
+def test_a_bad_exclude_pattern_is_a_usage_error(tmp_path, command):
+    files = _project(tmp_path, b"[tool.gpumigrate]\n")
+    result = _invoke([*command, str(tmp_path / "proj"), "--exclude", "[z-a]"])
+    _one_line(result, "--exclude '[z-a]': not a valid pattern (bad character range z-a)")
+    assert all(path.read_bytes() == data for path, data in files.items())
+
+
+def test_a_gitignore_with_a_bad_pattern_is_read_as_git_reads_it(tmp_path):
+    files = _project(tmp_path, b"[tool.gpumigrate]\n")
+    (tmp_path / "proj" / ".git").mkdir()
+    (tmp_path / "proj" / ".gitignore").write_text("[z-a]\nsrc/ignored.py\n")
+    (tmp_path / "proj" / "src" / "ignored.py").write_bytes(SCRIPT)
+    result = _invoke(["lint", str(tmp_path / "proj")])
+    assert result.exit_code == 1 and "train.py" in result.stdout and "ignored.py" not in result.stdout, result.output
+
+
+def test_stdin_that_never_ends_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    with open("/dev/zero", "rb") as zero:
+        run = subprocess.run([sys.executable, "-m", "gpumigrate", "-", "--stdin-filename", "t.py"], stdin=zero,
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == ["error: standard input is over the 10,000,000 bytes limit (max-file-size); "
+                                       "nothing was changed"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["-o", "-"], ["--diff"], ["lint"], ["lint", "--format", "json"], ["rules"]])
+def test_standard_output_on_a_full_device_is_one_line(tmp_path, args):
+    import subprocess
+    import sys
+
+    files = _project(tmp_path, b"[tool.gpumigrate]\n")
+    script = tmp_path / "proj" / "src" / "train.py"
+    command = [*args[:1], str(script), *args[1:]] if args[0] == "lint" else args if args == ["rules"] \
+        else [str(script), *args]
+    with open("/dev/full", "w") as full:
+        run = subprocess.run([sys.executable, "-m", "gpumigrate", *command], stdout=full, stderr=subprocess.PIPE,
+                             text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "error: cannot write to standard output: No space left on device" in run.stderr.splitlines()
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
+    assert all(path.read_bytes() == data for path, data in files.items())
+
+
+def test_a_file_named_dash_is_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").write_bytes(SCRIPT)
+    result = CliRunner().invoke(main, ["./-", "--to", "device"], input="this is stdin, not a script\n")
+    assert result.exit_code == 0, result.output
+    assert b".to(device)" in (tmp_path / "-").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["-"]  # no file named <stdin>
+    assert "rewrote ./-" in result.stderr
+    lint = CliRunner().invoke(main, ["lint", "./-"], input="x = 1\n")
+    assert lint.exit_code == 0 and "no findings in 1 file" in lint.stderr

@@ -158,6 +158,41 @@ def test_a_report_onto_a_link_to_an_input_is_refused(tmp_path):
     assert state(tmp_path) == before
 
 
+@pytest.mark.parametrize("args", [[], ["--check"], ["--diff"]])
+def test_a_report_onto_a_hard_link_of_an_input_is_refused(tmp_path, args):
+    path = tmp_path / "t.py"
+    path.write_text(CUDA)
+    os.link(path, tmp_path / "report.md")
+    before = state(tmp_path)
+    result = cli(path, *args, "--report", tmp_path / "report.md")
+    assert result.exit_code == 2 and f"--report {tmp_path / 'report.md'}: that is one of the inputs" in result.output
+    assert state(tmp_path) == before
+
+
+def test_a_report_onto_a_fifo_is_refused_not_waited_on(tmp_path, no_hang):
+    path = tmp_path / "t.py"
+    path.write_text(CUDA)
+    os.mkfifo(tmp_path / "report.md")
+    before = state(tmp_path)
+    result = cli(path, "--report", tmp_path / "report.md")
+    assert result.exit_code == 2 and "not a regular file (a FIFO)" in result.output
+    assert state(tmp_path) == before
+
+
+def test_the_report_is_written_whole_through_a_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "t.py"
+    path.write_text(CUDA)
+    report = tmp_path / "report.md"
+    report.write_text("an older report\n")
+    report.chmod(0o640)
+    replaced = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append(str(b)), real(a, b))[1])
+    assert cli(path, "--report", report).exit_code == 0
+    assert str(report) in replaced and report.read_text().startswith("# gpumigrate --to device")
+    assert stat.S_IMODE(report.stat().st_mode) == 0o640
+
+
 # ---------------------------------------------------------------- -o onto what is there
 
 @pytest.mark.parametrize("make, why", [
@@ -245,22 +280,171 @@ def test_a_hard_linked_script_keeps_its_links(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.py", "train.py"]
 
 
-def test_a_hard_link_write_that_fails_keeps_the_rewrite_in_the_temp_file(tmp_path, monkeypatch):
+def test_an_in_place_write_that_fails_puts_the_original_back(tmp_path, monkeypatch):
+    """The in-place writer's own logic, in this process, with a disk that fills half-way
+    through the write (wherever no small disk can be mounted, this is the full-disk test)."""
+    path, tmp = tmp_path / "train.py", tmp_path / ".train.py.x.tmp"
+    path.write_bytes(b"old " * 5000)
+    tmp.write_bytes(b"new " * 8000)
+    real, failed = os.pwrite, []
+
+    def fills_up(fd, data, offset):  # once: the restore that follows finds room again
+        if offset >= 12_000 and not failed:
+            failed.append(offset)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bytes(data[:4096]), offset)
+
+    monkeypatch.setattr(os, "pwrite", fills_up)
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: None, raising=False)  # the reservation "worked"
+    monkeypatch.setattr(sys, "argv", ["-c", str(path), str(tmp)])
+    with pytest.raises(SystemExit) as exited:
+        exec(files._WRITE_IN_PLACE, {"__name__": "__main__"})
+    assert exited.value.code == "No space left on device" and failed
+    assert path.read_bytes() == b"old " * 5000 and tmp.read_bytes() == b"new " * 8000
+
+
+# ---------------------------------------------------------------- a full disk, SIGKILL
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KB tmpfs, where this user may mount one (root, as in CI); else skip."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (the in-process full-disk test covers the logic)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def big_script(lines: int) -> str:
+    return "import torch\n" + "".join(f"x{i} = torch.zeros(3).cuda()\n" for i in range(lines))
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Take the disk's free space down to about `leave` bytes."""
+    info = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"\0" * max(0, info.f_bavail * info.f_frsize - leave))
+
+
+@pytest.mark.parametrize("linked", [False, True])
+@pytest.mark.parametrize("room", ["none", "for the temp file only"])
+def test_a_full_disk_leaves_the_original_and_says_where_the_rewrite_is(small_disk, linked, room):
+    path = small_disk / "train.py"
+    path.write_text(big_script(3000))  # 89 KB; the rewrite, 101 KB
+    original = path.read_bytes()
+    if linked:
+        os.link(path, small_disk / "copy.py")
+    fill(small_disk, 8192 if room == "none" else 101_000 + 12_288)
+    result = cli(path, "--no-cache")
+    temps = [p for p in small_disk.iterdir() if p.name.endswith(".tmp")]
+    if not linked and room != "none":  # the temp file is renamed over it: the rewrite fits
+        assert result.exit_code == 0 and b".to(device)" in path.read_bytes() and not temps
+        return
+    assert result.exit_code == 2, result.output
+    assert path.read_bytes() == original and "Traceback" not in result.output
+    (error,) = errors(result)
+    if room != "none":  # the temp file was written; the linked file itself had no room to grow
+        (tmp,) = temps
+        assert error == f"error: {path}: cannot write: No space left on device; left as it was, the rewrite is in {tmp}"
+        assert b".to(device)" in tmp.read_bytes() and (small_disk / "copy.py").read_bytes() == original
+    else:  # not even the temp file could be written
+        assert error == f"error: {path}: cannot write: No space left on device" and not temps
+
+
+# A parent whose os.write is slow: where gpumigrate itself wrote into the file, SIGKILL
+# half-way left it torn. The in-place write now runs in a process of its own.
+SLOW_WRITES = """\
+import os, sys, time
+real = os.write
+def slow(fd, data):
+    time.sleep(0.002)
+    return real(fd, bytes(data[:256]))
+os.write = slow
+from gpumigrate.cli import main
+sys.argv[0] = "gpumigrate"
+main()
+"""
+
+
+def _writers_of(path: Path) -> list:
+    """Processes whose command line names `path` (the in-place writer)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if str(path).encode() in handle.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _killed_run(path: Path, when) -> None:
+    """`gpumigrate PATH` with slow writes, SIGKILLed when `when(elapsed, bytes now)` says so,
+    or at its end; then wait for any writer it left to finish."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITES, str(path), "--no-cache", "-j", "1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    start = time.monotonic()
+    while proc.poll() is None and not when(time.monotonic() - start, path.read_bytes()):
+        time.sleep(0.0005)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _writers_of(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def torn(tmp_path):
+    """(path, original, rewrite, check): a script, and the check that it is byte for byte one
+    of the two after a killed run (and its hard link, if any, too)."""
     path = tmp_path / "train.py"
-    path.write_text(CUDA)
-    os.link(path, tmp_path / "copy.py")
-    result = migration(path)
+    original = big_script(600).encode()
+    path.write_bytes(original)
+    rewrite_path = tmp_path / "expected.out"
+    assert cli(path, "--no-cache", "-o", rewrite_path).exit_code == 0
+    rewrite = rewrite_path.read_bytes()
+    rewrite_path.unlink()
 
-    def full(fd, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def check(what: str) -> None:
+        now = path.read_bytes()
+        assert now in (original, rewrite), f"{what}: a torn file ({len(now)} bytes)"
+        if (tmp_path / "copy.py").exists():
+            assert (tmp_path / "copy.py").read_bytes() == now
+        path.write_bytes(original)
 
-    monkeypatch.setattr(os, "write", full)
-    write_result(result)
-    monkeypatch.undo()
-    (tmp,) = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    assert result.error == f"{path}: cannot write: No space left on device; the rewrite is in {tmp}"
-    assert tmp.read_bytes() == result.new_source
-    assert path.read_text() == CUDA  # the failed write never reached it
+    return path, original, rewrite, check
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the writer process in /proc")
+def test_sigkill_as_a_hard_linked_file_starts_to_change_leaves_it_whole(torn):
+    path, original, _, check = torn
+    os.link(path, path.parent / "copy.py")
+    for attempt in range(3):
+        _killed_run(path, lambda _, now: now != original)
+        check(f"attempt {attempt}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the writer process in /proc")
+@pytest.mark.parametrize("linked", [False, True])
+def test_sigkill_at_random_moments_leaves_the_original_or_the_rewrite(torn, linked):
+    import random
+
+    path, original, _, check = torn
+    if linked:
+        os.link(path, path.parent / "copy.py")
+    start = time.monotonic()
+    _killed_run(path, lambda elapsed, now: False)  # how long a whole run takes
+    whole = time.monotonic() - start
+    check("a whole run")
+    seed = random.randrange(10**6)
+    moments = random.Random(seed).sample(range(1000), 8)
+    for moment in moments:
+        at = whole * moment / 1000
+        _killed_run(path, lambda elapsed, now: elapsed >= at)
+        check(f"killed at {at:.3f} s of {whole:.3f} s (seed {seed})")
 
 
 # ---------------------------------------------------------------- temp files

@@ -746,6 +746,11 @@ def _compile_error(source: bytes, path: str) -> Optional[SyntaxError]:
     return _judge(source, path, None)
 
 
+def compiles(source: bytes, path: str) -> bool:
+    """CPython compiles `source`, as every output of ours must."""
+    return _judge(source, path, None) is None
+
+
 def _python_tree(source: bytes, path: str) -> Optional[ast.Module]:
     """The stdlib tree of a file CPython compiles, judged as `_compile_error` judges it
     (None where it refuses: `_compile_error` then says why)."""

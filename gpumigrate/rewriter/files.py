@@ -6,6 +6,8 @@ import hashlib
 import os
 import re
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -20,6 +22,10 @@ SKIP_DIRS = {"__pycache__", "node_modules", "site-packages"}
 SUFFIXES = (".py", ".ipynb")
 
 
+class BadPattern(ValueError):
+    """An exclusion pattern that cannot be read; the message names it."""
+
+
 class Exclusions:
     """gitignore-style patterns, each set relative to its own base directory (the config
     file's folder for `exclude` in pyproject.toml, the working directory for `--exclude`)."""
@@ -28,9 +34,11 @@ class Exclusions:
         self._specs: List[Tuple[Path, pathspec.PathSpec, bool]] = []
 
     def add(self, base: Path, patterns: Sequence[str], scoped: bool = False) -> "Exclusions":
-        """`scoped`: the patterns apply only below `base`, as a `.gitignore` file's do."""
+        """`scoped`: the patterns apply only below `base`, as a `.gitignore` file's do, and a
+        pattern that cannot be read is skipped, as git matches nothing with it. Else such a
+        pattern (`[z-a]`) is the user's mistake: BadPattern."""
         if patterns:
-            self._specs.append((base.resolve(), pathspec.GitIgnoreSpec.from_lines(patterns), scoped))
+            self._specs.append((base.resolve(), _spec(patterns, lenient=scoped), scoped))
         return self
 
     def __bool__(self) -> bool:
@@ -61,6 +69,23 @@ class Exclusions:
         return spec.check_file(rel + ("/" if is_dir else "")).include
 
 
+def _spec(patterns: Sequence[str], lenient: bool) -> pathspec.PathSpec:
+    try:
+        return pathspec.GitIgnoreSpec.from_lines(patterns)
+    except re.error:
+        pass
+    readable = []
+    for pattern in patterns:
+        try:
+            pathspec.GitIgnoreSpec.from_lines([pattern])
+        except re.error as exc:
+            if not lenient:
+                raise BadPattern(f"{pattern!r}: not a valid pattern ({exc.msg})") from None
+            continue
+        readable.append(pattern)
+    return pathspec.GitIgnoreSpec.from_lines(readable)
+
+
 def _is_virtualenv(path: Path) -> bool:
     return (path / "pyvenv.cfg").is_file() or (path / "conda-meta").is_dir()
 
@@ -82,7 +107,7 @@ def discover(paths: Iterable[str], exclude: Optional[Exclusions] = None) -> Tupl
         elif path.is_dir():
             found.extend(str(p) for p in _walk(path, exclude))
         elif not exclude.matches(path):
-            found.append(str(path))
+            found.append(str(path) if str(path) != "-" else os.path.join(os.curdir, "-"))  # `-` alone is stdin
     seen = set()
     unique = [p for p in found if not (p in seen or seen.add(p))]
     return unique, errors
@@ -172,7 +197,7 @@ def read(path: str, max_size: Optional[int] = None) -> Tuple[bytes, Stamp]:
     else (a FIFO would block, /dev/zero never ends) and files over `max_size` bytes."""
     info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):
-        raise Refused(f"skipped: not a regular file ({_kind(info.st_mode)})")
+        raise Refused(f"skipped: not a regular file ({kind_of(info.st_mode)})")
     if max_size is not None and info.st_size > max_size:
         raise Refused(f"skipped: {_sizes(info.st_size, max_size)} limit (max-file-size)")
     with open(path, "rb") as handle:
@@ -181,7 +206,8 @@ def read(path: str, max_size: Optional[int] = None) -> Tuple[bytes, Stamp]:
     return data, Stamp(info.st_size, info.st_mtime_ns, hashlib.sha256(data).digest())
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular file is: `a FIFO`, `a directory`, ..."""
     kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
              (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")]
     return next((name for test, name in kinds if test(mode)), "a special file")
@@ -200,7 +226,9 @@ def write_atomic(path: str, data: bytes, new_mode: Optional[int] = None, expecte
     keeping the mode bits (`new_mode` for a file that does not exist yet).
 
     Via a temp file in the same directory, fsynced, and `os.replace`: a reader never sees a
-    half-written file, and a failure leaves the original intact. `expected`: what was read
+    half-written file, and a failure leaves the original intact. A file with other hard links
+    is written in place from the temp file instead (`_overwrite`), whole or not at all.
+    `expected`: what was read
     from `path`; a file that no longer holds it is left as it is (Refused). Refused too:
     anything but a regular file, and a link to nothing."""
     target = Path(os.path.realpath(path))
@@ -211,7 +239,7 @@ def write_atomic(path: str, data: bytes, new_mode: Optional[int] = None, expecte
         if os.path.islink(path):
             raise Refused("cannot write: a symbolic link to a missing file") from None
     if info is not None and not stat.S_ISREG(info.st_mode):
-        raise Refused(f"cannot write: not a regular file ({_kind(info.st_mode)})")
+        raise Refused(f"cannot write: not a regular file ({kind_of(info.st_mode)})")
     mode = stat.S_IMODE(info.st_mode) if info is not None else new_mode
     fd, tmp = tempfile.mkstemp(dir=str(target.parent), prefix=f".{target.name}.", suffix=".tmp")
     keep = False
@@ -226,9 +254,7 @@ def write_atomic(path: str, data: bytes, new_mode: Optional[int] = None, expecte
             raise Refused("changed while gpumigrate was running; left as it is")
         if info is not None and info.st_nlink > 1:
             keep = True
-            _overwrite(target, data, tmp)
-            keep = False
-            os.unlink(tmp)
+            _overwrite(target, tmp)
         else:
             os.replace(tmp, target)
             _fsync_dir(target.parent)
@@ -250,23 +276,74 @@ def _holds(path: Path, expected: Stamp) -> bool:
         return False
 
 
-def _overwrite(target: Path, data: bytes, tmp: str) -> None:
-    """Write `data` into the file itself, the same inode: a rename would give `target` a new
-    inode and leave its other hard links with the old text. The price is atomicity: a reader
-    may see a partial file for that moment, and a failure half-way leaves one; the fsynced
-    temp file then holds the rewrite, and the message says where."""
-    try:
-        fd = os.open(target, os.O_WRONLY)
+def _overwrite(target: Path, tmp: str) -> None:
+    """Write the rewrite in `tmp` into `target` itself, the same inode: a rename would give
+    `target` a new inode and leave its other hard links with the old text.
+
+    That write cannot be atomic, so it is made whole another way. It runs in a process of its
+    own session, which finishes it even if gpumigrate is killed meanwhile (SIGKILL, Ctrl-C);
+    it reserves the space first (a full disk fails before a byte changes); and on any failure
+    it writes the original bytes back. A failure leaves the file as it was, and the message
+    says where the rewrite is."""
+    helper = subprocess.run([sys.executable, "-I", "-S", "-c", _WRITE_IN_PLACE, str(target), tmp],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    if helper.returncode != 0:
+        reason = helper.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {helper.returncode}"]
+        raise Refused(f"cannot write: {reason[0]}; left as it was, the rewrite is in {tmp}")
+
+
+# The in-place write (`python -I -S -c` this, TARGET, TMP): standard library only, no site,
+# so that it starts in milliseconds. On success it removes TMP; on failure it prints one
+# line (the reason, and whether the original could be put back) and exits 1.
+_WRITE_IN_PLACE = r"""
+import errno, os, sys
+
+def write_all(fd, data):
+    view, at = memoryview(data), 0
+    while at < len(view):
+        at += os.pwrite(fd, view[at:], at)
+    os.ftruncate(fd, len(data))
+    os.fsync(fd)
+
+def read_all(fd):
+    chunks = []
+    while True:
+        chunk = os.pread(fd, 1 << 20, sum(map(len, chunks)))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+target, tmp = sys.argv[1], sys.argv[2]
+try:
+    with open(tmp, "rb") as handle:
+        new = handle.read()
+    fd = os.open(target, os.O_RDWR)
+except OSError as exc:
+    sys.exit(exc.strerror or str(exc))
+try:
+    old = read_all(fd)
+    if len(new) > len(old) and hasattr(os, "posix_fallocate"):
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.ftruncate(fd, len(data))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise Refused(f"cannot write: {exc.strerror or exc}; the rewrite is in {tmp}") from None
+            os.posix_fallocate(fd, 0, len(new))
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", 0), errno.ENOSYS):
+                os.ftruncate(fd, len(old))  # a failed reservation may have grown it
+                raise
+    try:
+        write_all(fd, new)
+    except BaseException as exc:
+        try:
+            write_all(fd, old)
+        except OSError as again:
+            sys.exit(f"{exc.strerror or exc}; putting the original back failed too ({again.strerror or again})")
+        raise
+except OSError as exc:
+    sys.exit(exc.strerror or str(exc))
+finally:
+    os.close(fd)
+os.unlink(tmp)
+"""
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -1,17 +1,27 @@
 """Files processed in worker processes, so that the run survives any input: a file that kills
-its worker (a segfault in LibCST's native parser, the OOM killer) becomes that file's one-line
-error, and the other files are still processed. Results come back in input order, as a serial
-run gives them; writing them stays with the caller."""
+its worker (a segfault in LibCST's native parser, the OOM killer) or takes longer than the
+per-file time limit becomes that file's one-line error, and the other files are still
+processed. Results come back in input order, as a serial run gives them; writing them stays
+with the caller.
+
+A worker takes one file at a time, so whatever happens to it is that file's doing, and it
+ends with the run: a parent that is killed (SIGTERM, SIGKILL, the OOM killer) leaves no
+worker running on.
+"""
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import multiprocessing
 import os
 import signal
-from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import sys
+import threading
+import time
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from multiprocessing.connection import wait
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from gpumigrate.rewriter.cache import Cache, run_key
 from gpumigrate.rewriter.engine import FileResult
@@ -32,6 +42,10 @@ class Task:
     source: Optional[bytes] = None  # the bytes (stdin's, or a file read already); None: read `path`
     stamp: Optional[Stamp] = None  # of a file read already: writes check it is unchanged
 
+    def codes(self) -> frozenset:
+        """The codes this task's results may hold."""
+        return frozenset(r.code for r in (*self.rules, *(self.repairs or ())))
+
 
 def run_task(task: Task) -> FileResult:
     if task.source is not None:
@@ -41,46 +55,67 @@ def run_task(task: Task) -> FileResult:
     return process_path(task.path, task.rules, task.fix, task.options, task.repairs, max_size=task.max_size)
 
 
-def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[Cache]) -> Iterator[FileResult]:
+def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[Cache],
+                   timeout: Optional[float] = None) -> Iterator[FileResult]:
     """`process_tasks`, with the results of unchanged files taken from `cache` (and the new
-    ones put there). Files are read here, once: a hit costs a read and a hash."""
+    ones put there). Files are read here, once: a hit costs a read and a hash.
+
+    A cached rewrite is used only where the cache also shows it idempotent (the entry of the
+    rewritten bytes changes nothing); the first time, that entry is computed."""
     tune_gc()  # for the files this process runs itself; workers tune their own
     if cache is None:
-        yield from _largest_first(tasks, jobs)
+        yield from process_tasks(tasks, jobs, timeout)
         return
     runs: Dict[tuple, str] = {}
-    plan: List[Tuple[Optional[FileResult], Optional[str]]] = []  # (result known now, or the key to store)
+    # Per task, in input order: ("known", result) | ("fresh", key or None) |
+    # ("confirm", cached result, key of its rewrite, the fresh task if it is not confirmed)
+    plan: List[tuple] = []
     todo: List[Task] = []
     for task in tasks:
         if task.source is not None:  # stdin: not cached
-            plan.append((None, None))
+            plan.append(("fresh", None))
             todo.append(task)
             continue
         read_in = read_input(task.path, task.max_size)
         if isinstance(read_in, FileResult):
-            plan.append((read_in, None))
+            plan.append(("known", read_in))
             continue
         source, stamp = read_in
         signature = (task.rules, task.fix, repr(sorted((task.options or {}).items())), task.repairs)
         if signature not in runs:
             runs[signature] = run_key(task.rules, task.fix, task.options, task.repairs)
-        key = cache.key(runs[signature], task.path, stamp.sha256)
-        hit = cache.get(key, task.path, source)
-        if hit is not None:
+        run, codes, fresh = runs[signature], task.codes(), replace(task, source=source, stamp=stamp)
+        key = cache.key(run, task.path, stamp.sha256)
+        hit = cache.get(key, task.path, source, codes)
+        confirmed = cache.confirms(run, hit, codes) if hit is not None and hit.changed else True
+        if hit is not None and confirmed:
             hit.read_as = stamp
-            plan.append((hit, None))
-            continue
-        plan.append((None, key))
-        todo.append(replace(task, source=source, stamp=stamp))
-    computed = _largest_first(todo, jobs)
-    for known, key in plan:
-        if known is not None:
-            yield known
-            continue
-        result = next(computed)
-        if key is not None:
-            cache.put(key, result)
-        yield result
+            plan.append(("known", hit))
+        elif hit is not None and confirmed is None:
+            hit.read_as = stamp
+            assert hit.new_source is not None
+            plan.append(("confirm", hit, cache.key(run, task.path, hashlib.sha256(hit.new_source).digest()), fresh))
+            todo.append(replace(task, source=hit.new_source, stamp=None))
+        else:
+            plan.append(("fresh", key))
+            todo.append(fresh)
+    computed = process_tasks(todo, jobs, timeout)
+    for kind, *detail in plan:
+        if kind == "known":
+            yield detail[0]
+        elif kind == "fresh":
+            result = next(computed)
+            if detail[0] is not None:
+                cache.put(detail[0], result)
+            yield result
+        else:
+            hit, again_key, fresh = detail
+            again = next(computed)
+            cache.put(again_key, again)
+            if again.error is None and not again.changed:
+                yield hit
+            else:  # not shown idempotent: what a fresh run gives
+                yield next(process_tasks([fresh], 1, timeout))
 
 
 def default_jobs() -> int:
@@ -93,133 +128,173 @@ def default_jobs() -> int:
     return os.cpu_count() or 1
 
 
-def _largest_first(tasks: Sequence[Task], jobs: Optional[int]) -> Iterator[FileResult]:
-    """`process_tasks` with the largest files started first, so that one big file does not
-    run alone at the end while the other workers idle; results still in input order."""
-    if len(tasks) < 2 or max(1, jobs or default_jobs()) < 2:
-        yield from process_tasks(tasks, jobs)
-        return
+def process_tasks(tasks: Sequence[Task], jobs: Optional[int] = None,
+                  timeout: Optional[float] = None) -> Iterator[FileResult]:
+    """Each task in a worker process, `jobs` at a time (default: one per CPU); results in
+    input order, each as soon as it and those before it are done. A task that runs longer
+    than `timeout` seconds has its worker killed and is its file's error.
 
-    def size(task: Task) -> int:
-        if task.source is not None:
-            return len(task.source)
-        try:
-            return os.stat(task.path).st_size
-        except OSError:
-            return 0
-
-    order = sorted(range(len(tasks)), key=lambda i: -size(tasks[i]))
+    The largest files start first, so that one big file does not run alone at the end while
+    the other workers idle."""
+    jobs = max(1, jobs or default_jobs())
+    order = list(range(len(tasks)))
+    if jobs > 1 and len(tasks) > 1:
+        sizes = [_size(task) for task in tasks]
+        order.sort(key=lambda i: -sizes[i])
+    pool = _Pool(min(jobs, len(tasks)), timeout)
     done: Dict[int, FileResult] = {}
     following = 0
-    for i, result in zip(order, process_tasks([tasks[i] for i in order], jobs)):
-        done[i] = result
-        while following in done:
-            yield done.pop(following)
-            following += 1
-
-
-def process_tasks(tasks: Sequence[Task], jobs: Optional[int] = None) -> Iterator[FileResult]:
-    """Each task in a worker process, `jobs` at a time (default: one per CPU); results in
-    input order, each as soon as it and those before it are done.
-
-    When a worker dies the pool breaks and every unfinished task fails with it. The ones
-    that may have been running are re-run one by one in a worker of their own, so a second
-    death names its file; the rest go to a new pool."""
-    jobs = max(1, jobs or default_jobs())
-    context = multiprocessing.get_context()
-    start = 0
-    while start < len(tasks):
-        todo = tasks[start:]
-        workers = min(jobs, len(todo))
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_quiet_interrupt)
-        broken: Optional[int] = None
-        try:
-            futures = [pool.submit(run_task, task) for task in todo]
-            for offset, future in enumerate(futures):
-                result = _outcome(future, todo[offset])
-                if result is None:
-                    broken = offset
-                    break
-                yield result
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        if broken is None:
-            return
-        # Tasks are handed to workers in order, at most 2 * workers + 1 at a time (running,
-        # and queued for the workers): a dead worker had one of the first that many unfinished.
-        unfinished = [i for i in range(broken, len(todo)) if _outcome(futures[i], todo[i]) is None]
-        suspects = unfinished[:2 * workers + 1]
-        solo = _Solo(context)
-        try:
-            for i in range(broken, suspects[-1] + 1):
-                yield solo.run(todo[i]) if i in suspects else _outcome(futures[i], todo[i])
-        finally:
-            solo.close()
-        start += suspects[-1] + 1
-
-
-def _outcome(future: "Future[FileResult]", task: Task) -> Optional[FileResult]:
-    """The task's result; None if the pool broke before it was done."""
     try:
-        return future.result()
-    except (BrokenProcessPool, CancelledError):  # cancelled: by the shutdown of a broken pool
+        for index, result in pool.run(tasks, order):
+            done[index] = result
+            while following in done:
+                yield done.pop(following)
+                following += 1
+    finally:
+        pool.close()
+
+
+def _size(task: Task) -> int:
+    if task.source is not None:
+        return len(task.source)
+    try:
+        return os.stat(task.path).st_size
+    except OSError:
+        return 0
+
+
+class _Worker:
+    """One worker process and the pipe it takes tasks from and sends results on."""
+
+    def __init__(self, context: Any) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    def stop(self) -> None:
+        """Ask an idle worker to exit; kill it if it does not."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=5)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+    def died(self, path: str) -> str:
+        self.kill()
+        code = self.process.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return f"{path}: internal error: the parser crashed ({how}); file left unchanged"
+
+
+class _Pool:
+    """Up to `size` workers, each given a task as soon as it is free."""
+
+    def __init__(self, size: int, timeout: Optional[float]) -> None:
+        self.size = max(1, size)
+        self.timeout = timeout
+        self.context = multiprocessing.get_context()
+        self.idle: List[_Worker] = []
+        self.busy: Dict[_Worker, Tuple[int, Optional[float]]] = {}  # worker -> (task index, deadline)
+
+    def run(self, tasks: Sequence[Task], order: Sequence[int]) -> Iterator[Tuple[int, FileResult]]:
+        """(index, result) of each task, as each finishes."""
+        queue: Deque[int] = collections.deque(order)
+        while queue or self.busy:
+            while queue and len(self.busy) < self.size:
+                index = queue.popleft()
+                worker = self.idle.pop() if self.idle else _Worker(self.context)
+                try:
+                    worker.conn.send(tasks[index])
+                except OSError:  # it died idle: this task did not kill it, give it another
+                    worker.kill()
+                    queue.appendleft(index)
+                    continue
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+                self.busy[worker] = (index, deadline)
+            deadlines = [d for _, d in self.busy.values() if d is not None]
+            wait_for = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            wait([obj for w in self.busy for obj in (w.conn, w.process.sentinel)], timeout=wait_for)
+            now = time.monotonic()
+            for worker, (index, deadline) in list(self.busy.items()):
+                result = self._collect(worker, tasks[index], deadline, now)
+                if result is not None:
+                    del self.busy[worker]
+                    yield index, result
+
+    def _collect(self, worker: _Worker, task: Task, deadline: Optional[float], now: float) -> Optional[FileResult]:
+        """The worker's result if it is done, died or ran out of time; None while it works."""
+        if worker.conn.poll():
+            try:
+                result = worker.conn.recv()
+            except (EOFError, OSError):
+                return FileResult(path=task.path, source=b"", error=worker.died(task.path))
+            self.idle.append(worker)
+            return result
+        if not worker.process.is_alive():
+            return FileResult(path=task.path, source=b"", error=worker.died(task.path))
+        if deadline is not None and now >= deadline:
+            worker.kill()
+            return FileResult(path=task.path, source=b"", error=f"{task.path}: skipped: took longer than "
+                                                                f"{self.timeout:g} s (file-timeout); file left unchanged")
         return None
-    except Exception as exc:  # not the file's fault: a task or result that did not pickle
-        return FileResult(path=task.path, source=b"", error=f"{task.path}: internal error, file left unchanged "
-                                                            f"({type(exc).__name__}: {exc})")
+
+    def close(self) -> None:
+        for worker in self.busy:  # an interrupted run: their results are not wanted
+            worker.kill()
+        for worker in self.idle:
+            worker.stop()
+        self.busy.clear()
+        self.idle.clear()
 
 
-def _quiet_interrupt() -> None:
+def _worker_main(conn: Any) -> None:
+    _end_with_parent()
     # Ctrl-C reaches the workers too: they just stop (the parent reports the interruption),
     # instead of each printing a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     tune_gc()
-
-
-def _died(path: str, exitcode: Optional[int]) -> str:
-    how = f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit status {exitcode}"
-    return f"{path}: internal error: the parser crashed ({how}); file left unchanged"
-
-
-class _Solo:
-    """One worker process, for tasks run one at a time: if it dies, its task is the culprit,
-    and its exit status says how it died (a broken pool does not say)."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-        self._process: Any = None
-        self._conn: Any = None
-
-    def run(self, task: Task) -> FileResult:
-        if self._process is None:
-            self._conn, child = self._context.Pipe()
-            self._process = self._context.Process(target=_solo_main, args=(child,), daemon=True)
-            self._process.start()
-            child.close()
-        try:
-            self._conn.send(task)
-            return self._conn.recv()
-        except (EOFError, OSError):
-            self._process.join()
-            error = _died(task.path, self._process.exitcode)
-            self._conn.close()
-            self._process = self._conn = None
-            return FileResult(path=task.path, source=b"", error=error)
-
-    def close(self) -> None:
-        if self._process is not None:
-            try:
-                self._conn.send(None)
-            except OSError:
-                pass
-            self._process.join()
-            self._conn.close()
-
-
-def _solo_main(conn: Any) -> None:
-    _quiet_interrupt()
     while True:
-        task = conn.recv()
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
         if task is None:
             return
-        conn.send(run_task(task))
+        result = run_task(task)
+        try:
+            conn.send(result)
+        except Exception as exc:  # not the file's fault: a result that did not pickle
+            conn.send(FileResult(path=task.path, source=b"", error=f"{task.path}: internal error, file left "
+                                                                   f"unchanged ({type(exc).__name__}: {exc})"))
+
+
+def _end_with_parent() -> None:
+    """Exit when the process that started this worker is gone, however it ended: on Linux
+    the kernel sends SIGKILL at once (PR_SET_PDEATHSIG); everywhere, a thread waits on the
+    parent's sentinel, a pipe that closes when the parent exits."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    if not parent.is_alive():  # gone before the kernel was told
+        os._exit(1)
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gpumigrate-parent-watch", daemon=True).start()
