@@ -13,8 +13,11 @@ import ctypes
 import multiprocessing
 import os
 import pickle
+import sys
+import threading
 import time
-from typing import Any, Iterator, NamedTuple, Optional, Sequence, Tuple, Union
+from types import TracebackType
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -77,10 +80,15 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
 
     Called at a script's top level, it is safe in DataLoader worker processes (which import
     the script again under the `spawn` start method): they do not join the group.
+
+    A rank that fails never leaves the others waiting for it: when its script raises, the
+    other ranks stop within seconds, and it exits within `GPUMIGRATE_DIST_TIMEOUT` seconds
+    (default 60) even if threads of its own would keep it alive (see `_Watch`).
     """
     launch = _launch()
     if launch is None or launch.world_size == 1 or multiprocessing.parent_process() is not None:
         return get_device() if use_accelerator else torch.device("cpu")
+    timeout = _dist_timeout()  # before joining: a bad value stops every rank at once, none waits
     if use_accelerator and torch.cuda.is_available():
         device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -97,15 +105,22 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
     if not _cleanup_registered:  # once, also for a group the script created itself
         atexit.register(cleanup_distributed)
         _cleanup_registered = True
+    _watch_for_failures(timeout)
     return device
 
 
 def cleanup_distributed() -> None:
     """Leave the process group (safe to call twice, or without one).
 
-    Then waits (milliseconds) until torch's gloo threads have let go of the tensors of the
-    last collectives, so that the process can exit cleanly: see `_settle_gloo_threads`."""
-    if dist.is_available() and dist.is_initialized():
+    Leaving a group that `setup_distributed` joined never takes longer than
+    `GPUMIGRATE_DIST_TIMEOUT` seconds: if `destroy_process_group()` blocks (NCCL with pending
+    work, a peer gone), the process ends with status 1 and one line on stderr. Then waits
+    (milliseconds) until torch's gloo threads have let go of the tensors of the last
+    collectives, so that the process can exit cleanly: see `_settle_gloo_threads`."""
+    watch = _watch
+    if watch is not None and watch.thread.is_alive() and threading.current_thread() is not watch.thread:
+        watch.leave()
+    elif dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _settle_gloo_threads()
 
@@ -171,6 +186,224 @@ def _settle_gloo_threads(interval: float = 0.012, timeout: float = 2.0) -> None:
         if (after == before and not running) or after == () or time.monotonic() > deadline:
             return
         before = after
+
+
+# A rank that fails must not leave the others waiting for it in a collective (gloo waits 30
+# minutes, NCCL up to forever). torchrun's agent stops the other ranks once the failed process
+# has exited, and gloo's collectives raise once its connections close; neither happens while the
+# process is kept alive: by a non-daemon thread (a logger, a prefetcher), which Python waits for
+# before exit handlers run, or by an exit handler or a teardown that blocks. So, in a group of
+# several processes joined by setup_distributed (nothing of this runs per training step):
+# - The uncaught exception of the main thread (sys.excepthook, chained) is announced in the
+#   group's store, and the process ends itself (os._exit(1)) if it still runs
+#   GPUMIGRATE_DIST_TIMEOUT seconds later.
+# - A watchdog thread per rank looks at the store once a second (a check, never a blocking get).
+#   When another rank has announced a failure, it gives this rank's own collective
+#   _OWN_ERROR_GRACE seconds to raise (gloo's does as soon as the failed process is gone, and a
+#   traceback of its own says more), then ends the process. A rank whose script has ended is
+#   never stopped, and there is no heartbeat: a rank holding the GIL for minutes only delays
+#   its own watchdog.
+# - cleanup_distributed has the watchdog thread leave the group and waits for it at most
+#   GPUMIGRATE_DIST_TIMEOUT seconds (the thread exists from the start: Python >= 3.12 refuses to
+#   start threads at exit).
+# The store lives in rank 0's process under srun (in torchrun's agent under torchrun). Once it
+# is gone, a call fails (torch prints a C++ stack trace for it), so a rank that finds it gone
+# stops watching, nothing else; and rank 0 announces its own end too and waits, at most
+# _RELEASE_WAIT seconds, until each other rank has seen that (or left) and is done with it.
+
+_TIMEOUT_VARIABLE = "GPUMIGRATE_DIST_TIMEOUT"
+_WATCH_INTERVAL = 1.0  # seconds between two looks at the store
+_OWN_ERROR_GRACE = 2.0  # gloo raised 0.3 s after a failed peer's exception in our runs
+_RELEASE_WAIT = 2.5
+
+
+def _dist_timeout() -> float:
+    """`GPUMIGRATE_DIST_TIMEOUT`: how many seconds (default 60) a rank that failed may take to
+    exit, and leaving the process group may take at exit."""
+    raw = os.environ.get(_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return 60.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):  # NaN too
+        raise ValueError(f"{_TIMEOUT_VARIABLE}={raw!r}: use a positive number of seconds (the default is 60)")
+    return min(seconds, threading.TIMEOUT_MAX)
+
+
+class _Watch:
+    """This process's side of the failure handling, from setup_distributed to
+    cleanup_distributed (see the comment above)."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, store: Any) -> None:
+        self.rank, self.world_size, self.timeout, self.store = rank, world_size, timeout, store
+        self.pid = os.getpid()
+        # torchrun's agent keeps its store across restarts (--max-restarts): keys per attempt
+        prefix = f"gpumigrate/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.ended_key = prefix + "ended"  # "<rank>\t<exception>" of the first failure, or "0\t": rank 0 ended
+        self.released_key = prefix + "released"  # how many ranks other than 0 are done with the store
+        self.failed = False  # this rank's main thread raised
+        self.released = store is None  # this rank no longer uses the store
+        self.peer_failure: Optional[Tuple[str, str, float]] = None  # (rank, exception, seen at)
+        self.leaving = threading.Event()
+        self.error: Optional[Exception] = None  # what destroy_process_group raised
+        self.thread = threading.Thread(target=self._run, name="gpumigrate-watchdog", daemon=True)
+
+    def _run(self) -> None:
+        watching = not self.released
+        while not self.leaving.wait(_WATCH_INTERVAL):
+            if self.failed:
+                continue  # this rank failed: the timer `fail` started bounds its exit
+            if watching:
+                watching = self._look()
+            if self.peer_failure is not None and threading.main_thread().is_alive():
+                rank, what, seen = self.peer_failure
+                if time.monotonic() - seen >= _OWN_ERROR_GRACE:
+                    _exit_now(f"rank {rank} failed ({what}); stopping rank {self.rank}")
+        self._leave()
+
+    def _look(self) -> bool:
+        """One look at the store; whether to look again."""
+        if not dist.is_initialized():  # the script left the group itself
+            self.released = True
+            return False
+        try:
+            if not self.store.check([self.ended_key]):
+                return True
+            rank, _, what = self.store.get(self.ended_key).decode("utf-8", "replace").partition("\t")
+            if self.rank != 0:
+                self.store.add(self.released_key, 1)  # rank 0 may leave now
+        except Exception:  # the store has gone with its host: stop watching, stop no one
+            pass
+        else:
+            if what and rank != str(self.rank):
+                self.peer_failure = (rank, what, time.monotonic())
+        self.released = True
+        return False
+
+    def fail(self, exc_type: Type[BaseException], exc: BaseException) -> None:
+        """The main thread raised `exc`: announce it, and end the process if its exit hangs."""
+        self.failed = True
+        try:
+            threading.Thread(target=self._exit_later, name="gpumigrate-exit-timer", daemon=True).start()
+        except RuntimeError:  # no thread can start (the interpreter is shutting down)
+            pass
+        if not self.released:
+            try:  # the first failure is the one the others report
+                self.store.compare_set(self.ended_key, "", f"{self.rank}\t{_one_line(exc_type, exc)}")
+            except Exception:
+                pass
+
+    def _exit_later(self) -> None:
+        threading.Event().wait(self.timeout)
+        running = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+        why = (f"non-daemon threads are still running ({', '.join(running)})" if running
+               else "the process has not ended (an exit handler still running?)")
+        _exit_now(f"rank {self.rank} failed; exiting after {self.timeout:g} s although {why}")
+
+    def leave(self) -> None:
+        """cleanup_distributed's work, done on the watchdog thread and waited for at most
+        `timeout` seconds."""
+        self.leaving.set()
+        self.thread.join(self.timeout)
+        if self.thread.is_alive():
+            _exit_now(f"rank {self.rank} could not leave the process group within {self.timeout:g} s; "
+                      "exiting without waiting longer")
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    def _leave(self) -> None:
+        try:
+            if not self.released:
+                self.released = True
+                if self.rank == 0:  # the others stop using the store before it may go
+                    self.store.compare_set(self.ended_key, "", "0\t")
+                    until = time.monotonic() + _RELEASE_WAIT
+                    while self.store.add(self.released_key, 0) < self.world_size - 1 and time.monotonic() < until:
+                        time.sleep(0.05)
+                else:
+                    self.store.add(self.released_key, 1)
+        except Exception:  # the store has gone: there is no one left to tell
+            pass
+        self.store = None  # its own connection closes now, not while the interpreter finalizes
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # raised again on the main thread, by cleanup_distributed
+            self.error = exc
+
+
+_watch: Optional[_Watch] = None
+_previous_excepthook: Optional[Callable[[Type[BaseException], BaseException, Optional[TracebackType]], Any]] = None
+
+
+def _watch_for_failures(timeout: float) -> None:
+    """Start this process's _Watch over the default group (once per group) and chain
+    sys.excepthook (once)."""
+    global _watch, _previous_excepthook
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    if _watch is not None and _watch.thread.is_alive():
+        return
+    _watch = _Watch(dist.get_rank(), dist.get_world_size(), timeout, _watch_store())
+    _watch.thread.start()
+    if _previous_excepthook is None:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _watch_store() -> Any:
+    """A client of the default group's store for the watchdog, with a connection of its own
+    where torch can make one (a blocking store call of the main thread then cannot hold it
+    up); None without a store (`_get_default_store` is private): nothing is announced then."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    try:
+        return store.clone()
+    except Exception:
+        return store
+
+
+def _excepthook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+    """sys.excepthook in a group: the previous hook prints the traceback, then the failure is
+    announced (see _Watch)."""
+    try:
+        (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+    finally:
+        watch = _watch
+        # Python sets sys.last_value just before it calls the hook for the exception that ends
+        # the script; a library showing a handled exception with sys.excepthook(...) is no failure.
+        ending = exc is getattr(sys, "last_value", None) or exc is getattr(sys, "last_exc", None)
+        if (watch is not None and ending and os.getpid() == watch.pid
+                and threading.current_thread() is threading.main_thread()):
+            watch.fail(exc_type, exc)
+
+
+def _one_line(exc_type: Type[BaseException], exc: BaseException) -> str:
+    """`RuntimeError: boom`: the exception's type and the first line of its message."""
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception:
+        lines = []
+    return (f"{exc_type.__name__}: {lines[0]}" if lines else exc_type.__name__)[:300]
+
+
+def _exit_now(message: str) -> None:
+    """End the process at once with status 1 (no exit handlers, no waiting for threads), after
+    one line on stderr saying why."""
+    try:
+        sys.stdout.flush()  # what the script printed comes first
+    except Exception:  # closed, or None
+        pass
+    try:
+        print(f"gpumigrate.runtime: {message}", file=sys.stderr, flush=True)
+    except Exception:
+        pass
+    os._exit(1)
 
 
 def get_rank() -> int:
