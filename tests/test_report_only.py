@@ -299,3 +299,192 @@ def test_host_device_roundtrip():
 def test_host_device_roundtrip_message_names_the_line():
     (finding,) = lint(b"while True:\n    h = f(x).cpu()\n    g(h)\n    h = h.cuda()\n", [HostDeviceRoundtrip]).findings
     assert (finding.line, finding.col) == (4, 8) and "on line 2" in finding.message
+
+
+# ---------------------------------------------------------------- the migration report's cost (issue 17, 3c)
+
+import difflib  # noqa: E402
+import json  # noqa: E402
+
+from gpumigrate.rewriter.engine import FileResult, Finding  # noqa: E402
+from gpumigrate.rewriter.report import line_map, migration_report  # noqa: E402
+
+HEADER = "import torch\n"
+ADDED = "from gpumigrate.runtime import get_device\n\ndevice = get_device()\n"  # what --to device inserts
+
+
+def cuda_run(n: int) -> tuple:
+    """A script of `n` consecutive `.cuda()` lines and its `--to device` migration: one
+    edited run of n old lines and n + 3 new ones."""
+    old = HEADER + "".join(f"x{i} = torch.zeros(3).cuda()\n" for i in range(n))
+    new = HEADER + ADDED + "".join(f"x{i} = torch.zeros(3).to(device)\n" for i in range(n))
+    return old.encode(), new.encode()
+
+
+class TooMuchWork(Exception):
+    pass
+
+
+def counted_similarity(monkeypatch, budget: int) -> dict:
+    """Count the calls into SequenceMatcher's ratio and quick_ratio (every line comparison
+    the report makes); past `budget` calls, stop: quadratic work would take minutes."""
+    calls = {"n": 0}
+    for name in ("ratio", "quick_ratio"):
+        original = getattr(difflib.SequenceMatcher, name)
+
+        def wrapped(self, _original=original):
+            calls["n"] += 1
+            if calls["n"] > budget:
+                raise TooMuchWork(f"more than {budget} line comparisons")
+            return _original(self)
+
+        monkeypatch.setattr(difflib.SequenceMatcher, name, wrapped)
+    return calls
+
+
+def test_line_map_work_grows_linearly_with_an_edited_run(monkeypatch):
+    counts = {}
+    for n in (1000, 2000):
+        old, new = cuda_run(n)
+        calls = counted_similarity(monkeypatch, budget=60 * n)
+        moved = line_map(old, new)
+        counts[n] = calls["n"]
+        monkeypatch.undo()
+        assert moved(1) == 1  # `import torch` stays
+        assert [moved(line) for line in range(2, n + 2)] == list(range(5, n + 5))  # one for one, 3 lines down
+    assert counts[2000] <= 2.2 * counts[1000], counts
+
+
+def test_line_map_in_a_long_run_keeps_guards_and_inserted_blocks():
+    n = 1000
+    old = [HEADER] + [f"x{i} = torch.zeros(3).cuda()\n" for i in range(n)]
+    new = [HEADER] + ADDED.splitlines(keepends=True) + [f"x{i} = torch.zeros(3).to(device)\n" for i in range(n)]
+    # a guard line removed (its body dedented) at old line 402, a block of 8 lines inserted
+    # before old line 702: both inside the one edited run
+    old.insert(401, "if torch.cuda.is_available():\n")
+    old[402] = "    " + old[402]
+    new.insert(704, "".join(f"setup_{k}(rank)\n" for k in range(8)))
+    new = "".join(new).splitlines(keepends=True)
+    moved = line_map("".join(old).encode(), "".join(new).encode())
+    assert moved(1) == 1
+    assert [moved(line) for line in range(2, 402)] == list(range(5, 405))
+    assert moved(402) == 405  # the removed guard: where the code after it went
+    assert [moved(line) for line in range(403, 703)] == list(range(405, 705))
+    assert [moved(line) for line in range(703, n + 3)] == list(range(713, n + 13))
+
+
+def counted_alignment(monkeypatch, budget: int) -> dict:
+    """The lines difflib's find_longest_match looks through, summed over its calls on lists
+    of lines (the line alignment's work, not a comparison of two lines); past `budget`, stop."""
+    seen = {"n": 0}
+    original = difflib.SequenceMatcher.find_longest_match
+
+    def wrapped(self, alo=0, ahi=None, blo=0, bhi=None):
+        ahi = len(self.a) if ahi is None else ahi
+        bhi = len(self.b) if bhi is None else bhi
+        if isinstance(self.a, list):
+            seen["n"] += (ahi - alo) + (bhi - blo)
+        if seen["n"] > budget:
+            raise TooMuchWork(f"more than {budget} lines looked through")
+        return original(self, alo, ahi, blo, bhi)
+
+    monkeypatch.setattr(difflib.SequenceMatcher, "find_longest_match", wrapped)
+    return seen
+
+
+def test_line_map_work_grows_linearly_with_blank_lines_between_edits(monkeypatch):
+    """A blank line after every edited line: difflib over the whole file looks through
+    every blank line for each one (cubic), and aligned the blank after `import torch` with
+    the one the migration added, putting every `.cuda()` line on the line before its own."""
+    counts = {}
+    for n in (1000, 2000):
+        old = (HEADER + "".join(f"x{i} = torch.zeros(3).cuda()\n\n" for i in range(n))).encode()
+        new = (HEADER + ADDED + "".join(f"x{i} = torch.zeros(3).to(device)\n\n" for i in range(n))).encode()
+        aligned = counted_alignment(monkeypatch, budget=50 * n)
+        compared = counted_similarity(monkeypatch, budget=60 * n)
+        moved = line_map(old, new)
+        counts[n] = aligned["n"] + compared["n"]
+        monkeypatch.undo()
+        assert [moved(line) for line in range(1, 2 * n + 2)] == [1] + list(range(5, 2 * n + 5))
+    assert counts[2000] <= 2.2 * counts[1000], counts
+
+
+def _reference_line_map(old: bytes, new: bytes):
+    """line_map as it was before it was made linear: every old line of an edited run against
+    every new line at or after the previous one's."""
+    a, b = old.splitlines(), new.splitlines()
+    where = {}
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            where.update({i: j1 + (i - i1) for i in range(i1, i2)})
+            continue
+        j = j1
+        for i in range(i1, i2):
+            best, score = None, 0.6
+            for k in range(j, j2):
+                ratio = difflib.SequenceMatcher(None, a[i].strip(), b[k].strip()).ratio()
+                if ratio > score:
+                    best, score = k, ratio
+            if best is not None:
+                j = best
+            where[i] = min(j, max(j2 - 1, j1))
+            if best is not None:
+                j = min(best + 1, max(j2 - 1, j1))
+    return lambda line: where.get(line - 1, line - 1) + 1
+
+
+ORDINARY = {
+    "one for one": ("import torch\na = x.cuda()\nb = y.cuda()\nc = 1\n",
+                    "import torch\na = x.to(device)\nb = y.to(device)\nc = 1\n"),
+    "removed guard": ("import torch\nif torch.cuda.is_available():\n    model = model.cuda()\nprint(1)\n",
+                      "import torch\nmodel = model.to(device)\nprint(1)\n"),
+    "inserted block": ("import torch\nfrom torch.autograd import Variable\nx = Variable(torch.ones(1).cuda())\ny = 2\n",
+                       "import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n"
+                       "x = torch.ones(1).to(device)\ny = 2\n"),
+    "lines merged": ("a = 1\nx = f(\n    y.cuda())\nz = 3\n", "a = 1\nx = f(y.to(device))\nz = 3\n"),
+    "everything replaced": ("p = 1\nq = 2\n", "something else entirely\n"),
+    "all removed": ("a = 1\nif torch.cuda.is_available():\n    pass\nb = 2\n", "a = 1\nb = 2\n"),
+    "twenty lines and a wrap": (
+        "".join(f"v{i} = torch.ones({i}).cuda()\n" for i in range(20)) + "print(loss.item())\n",
+        "from gpumigrate.runtime import get_device, is_main_process\n\ndevice = get_device()\n"
+        + "".join(f"v{i} = torch.ones({i}).to(device)\n" for i in range(20))
+        + "if is_main_process():\n    print(loss.item())\n"),
+}
+
+
+@pytest.mark.parametrize("case", ORDINARY, ids=str)
+def test_line_map_answers_as_before_on_ordinary_edits(case):
+    old, new = (s.encode() for s in ORDINARY[case])
+    lines = range(1, old.count(b"\n") + 2)
+    assert [line_map(old, new)(n) for n in lines] == [_reference_line_map(old, new)(n) for n in lines]
+
+
+class CountedLine(int):
+    """A finding's line number that counts its equality tests."""
+
+    eq = 0
+
+    def __eq__(self, other):
+        CountedLine.eq += 1
+        return int(self) == int(other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = int.__hash__
+
+
+def test_report_grouping_work_grows_linearly_with_the_findings():
+    counts = {}
+    for n in (1000, 2000):
+        findings = [Finding("GM101", CountedLine(line), 0, "`.cuda()` hard-codes the device", fixed=True)
+                    for line in range(1, n + 1)]
+        findings += [Finding("GM101", CountedLine(line), 4, "`.cuda()` hard-codes the device", fixed=True)
+                     for line in range(1, n + 1, 2)]  # a second finding on every other line
+        result = FileResult("t.py", b"x\n" * n, findings=findings)
+        CountedLine.eq = 0
+        report = migration_report([result], "device", json_format=True)
+        counts[n] = CountedLine.eq
+        (group,) = json.loads(report)["files"][0]["fixed"]
+        assert group["lines"] == group["original_lines"] == list(range(1, n + 1))
+    assert counts[2000] <= 2.2 * counts[1000], counts

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 from gpumigrate import __version__
 from gpumigrate.rewriter.engine import Finding
@@ -150,31 +151,174 @@ def as_github(items: Sequence[Located]) -> str:
 
 # -- the migration report (`--report`) ------------------------------------------------------
 
+# The report's line numbers: the diff's runs of equal lines map one for one; in an edited run,
+# each old line goes to the most similar new line at or after the previous one's. Both steps
+# are linear in the lines (issue 17): an edited run is searched near where each old line
+# should be, not whole, and the runs come from anchoring on lines that occur once, not from
+# difflib over the whole file.
+#
+# The search: the _WINDOW new lines after the previous old line's match. When they hold no
+# similar line (a longer block was inserted there), it goes on past them to the first similar
+# line and _WINDOW lines beyond, at most _FARTHEST lines, out of a budget of 2 * _WINDOW
+# comparisons per old line of the run; once that is spent, the lines around the old line's
+# proportional position in the run are searched instead. When at most _WHOLE new lines are
+# left, they are all searched: a short run is as exact as comparing every pair.
+_WINDOW = 8
+_WHOLE = 3 * _WINDOW
+_FARTHEST = 8 * _WINDOW
+_LONGEST = 200  # characters of a line compared: a longer line costs no more than this
+_SIMILAR = 0.6  # the least ratio that makes two lines the same code
+_SMALL = 32  # a stretch between anchors with at most this many lines a side: difflib aligns it
+_DEPTH = 4  # levels of anchoring within a stretch between anchors
+
+
+def _unique_pairs(a: Sequence[bytes], b: Sequence[bytes], i1: int, i2: int, j1: int,
+                  j2: int) -> List[Tuple[int, int]]:
+    """The longest chain, increasing on both sides, of the lines that occur once in
+    a[i1:i2] and once in b[j1:j2] (patience diff's anchors): n log n."""
+    def once(lines: Sequence[bytes], lo: int, hi: int) -> Dict[bytes, int]:
+        seen: Dict[bytes, int] = {}
+        for k in range(lo, hi):
+            seen[lines[k]] = -1 if lines[k] in seen else k
+        return seen
+
+    in_a, in_b = once(a, i1, i2), once(b, j1, j2)
+    pairs = sorted((i, in_b[line]) for line, i in in_a.items() if i >= 0 and in_b.get(line, -1) >= 0)
+    tops: List[int] = []  # tops[n]: the least j that ends an increasing chain of n + 1 pairs
+    ends: List[int] = []  # the pair that ends it
+    back = [-1] * len(pairs)
+    for n, (_, j) in enumerate(pairs):
+        at = bisect.bisect_left(tops, j)
+        back[n] = ends[at - 1] if at else -1
+        if at == len(tops):
+            tops.append(j)
+            ends.append(n)
+        else:
+            tops[at], ends[at] = j, n
+    chain, n = [], ends[-1] if ends else -1
+    while n >= 0:
+        chain.append(pairs[n])
+        n = back[n]
+    return chain[::-1]
+
+
+def _runs(a: Sequence[bytes], b: Sequence[bytes]) -> List[Tuple[bool, int, int, int, int]]:
+    """(equal, i1, i2, j1, j2): a[i1:i2] is b[j1:j2], or was edited into it; in order,
+    covering both. difflib's opcodes on a short stretch; a long one is first cut at the
+    lines that occur once on each side (difflib over a whole file is cubic in its lines when
+    a line such as a blank one recurs between edits), and one still long and without such
+    lines is one edited run, which the similarity search aligns."""
+    out: List[Tuple[bool, int, int, int, int]] = []
+
+    def stretch(i1: int, i2: int, j1: int, j2: int, depth: int) -> None:
+        n = 0
+        while i1 + n < i2 and j1 + n < j2 and a[i1 + n] == b[j1 + n]:
+            n += 1
+        if n:
+            out.append((True, i1, i1 + n, j1, j1 + n))
+        i1, j1 = i1 + n, j1 + n
+        m = 0
+        while i2 - m > i1 and j2 - m > j1 and a[i2 - m - 1] == b[j2 - m - 1]:
+            m += 1
+        i2, j2 = i2 - m, j2 - m
+        if i2 - i1 <= _SMALL and j2 - j1 <= _SMALL:
+            if i1 < i2 or j1 < j2:
+                for tag, x1, x2, y1, y2 in difflib.SequenceMatcher(None, a[i1:i2], b[j1:j2],
+                                                                   autojunk=False).get_opcodes():
+                    out.append((tag == "equal", i1 + x1, i1 + x2, j1 + y1, j1 + y2))
+        else:
+            pairs = _unique_pairs(a, b, i1, i2, j1, j2) if depth < _DEPTH else []
+            if not pairs:
+                out.append((False, i1, i2, j1, j2))
+            for i, j in pairs:
+                stretch(i1, i, j1, j, depth + 1)
+                out.append((True, i, i + 1, j, j + 1))
+                i1, j1 = i + 1, j + 1
+            if pairs:
+                stretch(i1, i2, j1, j2, depth + 1)
+        if m:
+            out.append((True, i2, i2 + m, j2, j2 + m))
+
+    stretch(0, len(a), 0, len(b), 0)
+    return out
+
+
+def _edited_run(a: Sequence[bytes], b: Sequence[bytes], i1: int, i2: int, j1: int, j2: int,
+                where: Dict[int, int]) -> None:
+    """where[i] for the old lines a[i1:i2], edited into b[j1:j2]: each goes to the most
+    similar new line at or after the previous one's (a removed guard line goes where the
+    code after it went), searched as the comment above says."""
+    held: Dict[int, difflib.SequenceMatcher] = {}  # new line -> a matcher holding it as seq2
+
+    def similarity(k: int, line: bytes, score: float) -> float:
+        """`line` against new line k if that could beat `score`, else 0."""
+        matcher = held.get(k)
+        if matcher is None:
+            matcher = held[k] = difflib.SequenceMatcher(None, b"", b[k].strip()[:_LONGEST])
+        matcher.set_seq1(line)
+        # ratio() <= quick_ratio() <= real_quick_ratio(): the cheap bounds first
+        if matcher.real_quick_ratio() > score and matcher.quick_ratio() > score:
+            return matcher.ratio()
+        return 0.0
+
+    dropped = j1  # the new lines below this are behind every later search: their matchers went
+    spare = 2 * _WINDOW * (i2 - i1)  # comparisons left for searches past the window
+    j = j1
+    for i in range(i1, i2):
+        expected = j1 + (i - i1) * (j2 - j1) // (i2 - i1)
+        for k in range(dropped, min(j, expected - _WINDOW)):
+            held.pop(k, None)
+        dropped = max(dropped, min(j, expected - _WINDOW))
+        line = a[i].strip()[:_LONGEST]
+        best, score = None, _SIMILAR
+        end = j2 if j2 - j <= _WHOLE else j + _WINDOW
+        for k in range(j, end):  # the window after the previous match
+            ratio = similarity(k, line, score)
+            if ratio > score:
+                best, score = k, ratio
+                if ratio == 1.0:
+                    break
+        k = end
+        if best is None:  # past it: to the first similar line and the few after that
+            stop = min(j2, j + _FARTHEST)
+            while k < stop and spare > 0:
+                spare -= 1
+                ratio = similarity(k, line, score)
+                if ratio > score:
+                    if best is None:
+                        stop = min(stop, k + _WINDOW)
+                    best, score = k, ratio
+                    if ratio == 1.0:
+                        break
+                k += 1
+        if best is None:  # nothing similar there: around the proportional position
+            for k in range(max(k, expected - _WINDOW), min(j2, expected + _WINDOW + 1)):
+                ratio = similarity(k, line, score)
+                if ratio > score:
+                    best, score = k, ratio
+                    if ratio == 1.0:
+                        break
+        if best is not None:
+            j = best
+        where[i] = min(j, max(j2 - 1, j1))
+        if best is not None:
+            j = min(best + 1, max(j2 - 1, j1))
+
+
 def line_map(old: bytes, new: bytes) -> Callable[[int], int]:
     """Original line number -> the line of the rewritten file where that code now is (an
-    edited line maps to the start of its replacement, a removed one to where it was)."""
+    edited line maps to the start of its replacement, a removed one to where it was).
+    Linear in the lines (n log n for the anchors): a bounded number of comparisons per old
+    line, each of bounded cost."""
     if old == new:
         return lambda line: line
     a, b = old.splitlines(), new.splitlines()
     where: Dict[int, int] = {}
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if tag == "equal":
+    for equal, i1, i2, j1, j2 in _runs(a, b):
+        if equal:
             where.update({i: j1 + (i - i1) for i in range(i1, i2)})
-            continue
-        # an edited run: each old line goes to the most similar new line at or after the
-        # previous one's (a removed guard line goes where the code after it went)
-        j = j1
-        for i in range(i1, i2):
-            best, score = None, 0.6
-            for k in range(j, j2):
-                ratio = difflib.SequenceMatcher(None, a[i].strip(), b[k].strip()).ratio()
-                if ratio > score:
-                    best, score = k, ratio
-            if best is not None:
-                j = best
-            where[i] = min(j, max(j2 - 1, j1))
-            if best is not None:
-                j = min(best + 1, max(j2 - 1, j1))
+        else:
+            _edited_run(a, b, i1, i2, j1, j2, where)
     return lambda line: where.get(line - 1, line - 1) + 1
 
 
@@ -196,13 +340,18 @@ def _position_map(r: Any) -> Callable[[Finding], Position]:
 def _grouped(findings: Sequence[Finding], where: Callable[[Finding], Position]) -> List[Dict[str, Any]]:
     """One entry per (code, message), with every line it was found on, in order of first line."""
     groups: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    seen: Dict[Tuple[str, str], Tuple[Set[Position], Set[Position]]] = {}  # (original, migrated) positions
     for f in sorted(findings, key=lambda f: (f.cell, f.line, f.col, f.code)):
         entry = groups.setdefault((f.code, f.message), {"code": f.code, "message": f.message, "positions": [],
                                                         "original_positions": []})
-        if f.line and (f.cell, f.line) not in entry["original_positions"]:
+        original, migrated = seen.setdefault((f.code, f.message), (set(), set()))
+        if f.line and (f.cell, f.line) not in original:
+            original.add((f.cell, f.line))
             entry["original_positions"].append((f.cell, f.line))
-            if where(f) not in entry["positions"]:  # two original lines may have become one
-                entry["positions"].append(where(f))
+            now = where(f)
+            if now not in migrated:  # two original lines may have become one
+                migrated.add(now)
+                entry["positions"].append(now)
     for entry in groups.values():
         for key, positions in (("", entry.pop("positions")), ("original_", entry.pop("original_positions"))):
             entry[key + "lines"] = [line for _, line in positions]
