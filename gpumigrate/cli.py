@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from gpumigrate.rewriter.engine import FileResult
 
 EXIT_OK, EXIT_CHANGES, EXIT_ERROR = 0, 1, 2
+Passes = List[Tuple[List[type], List[str]]]  # a file's passes: the rules each runs, the codes it fixes
 STDIN = "-"
 
 
@@ -169,7 +170,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     """Rewrite PATHS (files, directories, or `-` for stdin) for the --to target.
 
     Exit 0 when done, 1 when --check finds files that would change, 2 on errors."""
-    from gpumigrate.codemods import fixed_codes, rules_for
+    from gpumigrate.codemods import fixed_codes, passes_for, rules_for
     from gpumigrate.rewriter.vendor import VENDORED_MODULE
 
     reading_stdin, config = _inputs(paths, stdin_filename)
@@ -196,9 +197,8 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     vendor_changed = _vendor_runtime(vendor_dir, show_diff or check, quiet) if vendor_dir is not None else False
     runtime_module = VENDORED_MODULE if vendor_dir is not None else None  # None: the package, or what the script uses
 
-    def plan(name: str) -> Tuple[List[type], List[str]]:
-        rules = selection.for_file(name, target_rules)
-        return rules, [r.code for r in rules if r.code in fix_codes]
+    def plan(name: str) -> Passes:
+        return passes_for(target, selection.for_file(name, target_rules))
 
     options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module}
     results: List[FileResult] = []
@@ -252,13 +252,13 @@ def _vendor_note(results: List["FileResult"], directory: str, output: Optional[s
 
 
 def _process(files: Sequence[str], stdin_filename: Optional[str],
-             plan: Callable[[str], Tuple[List[type], List[str]]], options: Optional[dict] = None,
+             plan: Callable[[str], "Passes"], options: Optional[dict] = None,
              max_size: Optional[int] = None, jobs: Optional[int] = None, cache: bool = False,
              stdin: bool = False, file_timeout: Optional[float] = None) -> Iterator["FileResult"]:
     """The files (or, `stdin`, standard input under the name given for it) through the
     engine, in worker processes `jobs` at a time: a file that crashes its worker, or takes
     longer than `file_timeout` seconds, is that file's error, and the run goes on.
-    `plan(name)`: the rules and the codes to fix for a file. Results come in input order; a
+    `plan(name)`: a file's passes, each the rules and the codes to fix. Results come in input order; a
     file over `max_size` bytes is skipped, as an error. `cache`: use the results cache."""
     from gpumigrate.rewriter.cache import Cache, cache_dir
     from gpumigrate.rewriter.workers import Task, process_cached
@@ -266,11 +266,14 @@ def _process(files: Sequence[str], stdin_filename: Optional[str],
     repairs = tuple(_repairs())
     if stdin:
         name = stdin_filename or "<stdin>"
-        rules, fix = plan(stdin_filename or STDIN)
-        tasks = [Task(name, tuple(rules), tuple(fix), options, repairs, source=_read_stdin(max_size))]
+        tasks = [Task(name, _frozen(plan(stdin_filename or STDIN)), options, repairs, source=_read_stdin(max_size))]
     else:
-        tasks = [Task(path, *map(tuple, plan(path)), options, repairs, max_size) for path in files]
+        tasks = [Task(path, _frozen(plan(path)), options, repairs, max_size) for path in files]
     return process_cached(tasks, jobs, Cache(cache_dir()) if cache else None, file_timeout)
+
+
+def _frozen(passes: "Passes") -> tuple:
+    return tuple((tuple(rules), tuple(fix)) for rules, fix in passes)
 
 
 def _read_stdin(max_size: Optional[int]) -> bytes:
@@ -496,9 +499,9 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         _err("warning: no rules selected")
     files = [STDIN] if reading_stdin else _discover(paths, config, exclude)
     located, fixed, failed, files_with, colour = [], 0, 0, set(), _colour(color)
-    def plan(name: str) -> Tuple[List[type], List[str]]:
+    def plan(name: str) -> Passes:
         rules = selection.for_file(name)
-        return rules, ([r.code for r in rules if r.fixed_in] if fix else [])
+        return [(rules, [r.code for r in rules if r.fixed_in] if fix else [])]
 
     processed = _process(files, stdin_filename, plan, max_size=config.max_file_size, jobs=jobs,
                          cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)

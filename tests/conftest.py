@@ -9,9 +9,10 @@ from typing import List, Optional, Sequence
 
 import pytest
 
-from gpumigrate.codemods import fixed_codes, rules_for
+from gpumigrate.codemods import fixed_codes, passes_for, rules_for
 from gpumigrate.rewriter.engine import FileResult, process
 from gpumigrate.rewriter.names import ImportTable
+from gpumigrate.rewriter.run import process_passes
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -24,8 +25,8 @@ if "GPUMIGRATE_CACHE_DIR" not in os.environ:
 
 
 def migrate(source: bytes, target: str = "device", path: str = "script.py", options: Optional[dict] = None) -> FileResult:
-    return process(source, path, rules_for(target), fix=fixed_codes(target), names_factory=ImportTable,
-                   options=options)
+    """As `gpumigrate --to TARGET` migrates: its passes, in order, to a fixpoint."""
+    return process_passes(source, path, passes_for(target, rules_for(target)), options)
 
 
 def lint(source: bytes, rules: Sequence[type], path: str = "script.py", options: Optional[dict] = None) -> FileResult:

@@ -111,13 +111,18 @@ def test_what_a_result_depends_on_is_in_its_key(monkeypatch):
     from gpumigrate.rewriter.cache import Cache, run_key
 
     rules = tuple(rules_for("ddp"))
-    base = run_key(rules, fixed_codes("ddp"), {"sync_bn": False}, ())
-    assert base == run_key(rules, list(reversed(fixed_codes("ddp"))), {"sync_bn": False}, ())
-    others = [run_key(rules[:-1], fixed_codes("ddp"), {"sync_bn": False}, ()),
-              run_key(rules, fixed_codes("device"), {"sync_bn": False}, ()),
-              run_key(rules, fixed_codes("ddp"), {"sync_bn": True}, ()),
-              run_key(rules, fixed_codes("ddp"), {"sync_bn": False}, None)]
-    assert len({base, *others}) == 5
+
+    def key(rules, fix, options, repairs):
+        return run_key([(rules, fix)], options, repairs)
+
+    base = key(rules, fixed_codes("ddp"), {"sync_bn": False}, ())
+    assert base == key(rules, list(reversed(fixed_codes("ddp"))), {"sync_bn": False}, ())
+    others = [key(rules[:-1], fixed_codes("ddp"), {"sync_bn": False}, ()),
+              key(rules, fixed_codes("device"), {"sync_bn": False}, ()),
+              key(rules, fixed_codes("ddp"), {"sync_bn": True}, ()),
+              key(rules, fixed_codes("ddp"), {"sync_bn": False}, None),
+              run_key([(rules[:5], fixed_codes("ddp")), (rules[5:], fixed_codes("ddp"))], {"sync_bn": False}, ())]
+    assert len({base, *others}) == 6
     cache = Cache("unused")
     assert cache.key(base, "a.py", b"x") == cache.key(base, "b/c.py", b"x")  # the name is not the content
     assert len({cache.key(base, "a.py", b"x"), cache.key(base, "a.ipynb", b"x"), cache.key(base, "a.py", b"y"),
@@ -126,7 +131,7 @@ def test_what_a_result_depends_on_is_in_its_key(monkeypatch):
     cache_module.code_fingerprint.cache_clear()
     monkeypatch.setattr(cache_module.sys, "version", "3.99.0 (elsewhere)")
     try:
-        assert run_key(rules, fixed_codes("ddp"), {"sync_bn": False}, ()) != base
+        assert key(rules, fixed_codes("ddp"), {"sync_bn": False}, ()) != base
     finally:
         monkeypatch.undo()
         cache_module.code_fingerprint.cache_clear()

@@ -16,9 +16,10 @@ from click.testing import CliRunner
 
 from gpumigrate import cli
 from gpumigrate.codemods import fixed_codes, rules_for, select
-from gpumigrate.rewriter.engine import _compile_error
+from gpumigrate.rewriter.engine import _compile_error, process
+from gpumigrate.rewriter.names import ImportTable
 from gpumigrate.rewriter.run import process_source
-from gpumigrate.rewriter.workers import Task, process_tasks
+from gpumigrate.rewriter.workers import Task, one_pass, process_tasks
 
 from .conftest import FIXTURES, ROOT, migrate
 
@@ -145,7 +146,8 @@ def test_deep_valid_python_is_processed(name, source):
 
 def test_deep_nesting_is_refused_in_the_callers_thread_without_the_deep_stack():
     # what the tests above would see without process_source's thread (the original failure)
-    result = migrate((CUDA + "y = " + " + ".join(["a"] * 400) + "\n").encode(), path="s.py")
+    result = process((CUDA + "y = " + " + ".join(["a"] * 400) + "\n").encode(), "s.py", rules_for("device"),
+                     fix=fixed_codes("device"), names_factory=ImportTable)
     assert result.error == "s.py:1: cannot process: nesting too deep"
 
 
@@ -207,7 +209,7 @@ def test_a_crashing_file_is_an_error_and_the_others_are_migrated(tmp_path, monke
 def test_every_crash_is_found_and_results_keep_input_order(tmp_path):
     sources = ["EXIT = (\n" if i == 3 else "SEGFAULT = (\n" if i in (0, 7, 8) else CUDA for i in range(12)]
     rules = tuple(rules_for("device"))
-    tasks = [Task(f"f{i}.py", rules, tuple(fixed_codes("device")), repairs=(Crasher,), source=s.encode())
+    tasks = [Task(f"f{i}.py", one_pass(rules, fixed_codes("device")), repairs=(Crasher,), source=s.encode())
              for i, s in enumerate(sources)]
     results = list(process_tasks(tasks, jobs=2))
     assert [r.path for r in results] == [f"f{i}.py" for i in range(12)]

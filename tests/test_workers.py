@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from gpumigrate import cli
 from gpumigrate.codemods import fixed_codes, rules_for
-from gpumigrate.rewriter.workers import Task, process_tasks
+from gpumigrate.rewriter.workers import Task, one_pass, process_tasks
 from tests.conftest import ROOT
 
 CUDA = "import torch\nmodel = torch.nn.Linear(2, 2).cuda()\n"
@@ -35,7 +35,7 @@ class Sleeper:
 def test_a_file_over_the_time_limit_is_its_error_and_the_others_go_on():
     rules, fix = tuple(rules_for("device")), tuple(fixed_codes("device"))
     sources = [CUDA, SLOW, CUDA, CUDA]
-    tasks = [Task(f"f{i}.py", rules, fix, repairs=(Sleeper,), source=s.encode()) for i, s in enumerate(sources)]
+    tasks = [Task(f"f{i}.py", one_pass(rules, fix), repairs=(Sleeper,), source=s.encode()) for i, s in enumerate(sources)]
     start = time.monotonic()
     results = list(process_tasks(tasks, jobs=2, timeout=2))
     assert time.monotonic() - start < 60
@@ -63,7 +63,7 @@ def test_file_timeout_is_configurable_and_the_cli_goes_on(tmp_path, monkeypatch)
 BUSY_RUN = """\
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from gpumigrate.rewriter.workers import Task, process_tasks
+from gpumigrate.rewriter.workers import Task, one_pass, process_tasks
 
 class Sleeper:
     code = "GM999"
@@ -72,7 +72,7 @@ class Sleeper:
     def repair(cls, text):
         time.sleep(600)
 
-tasks = [Task("f{}.py".format(i), (), (), repairs=(Sleeper,), source=b"SLOW = (\\n") for i in range(2)]
+tasks = [Task("f{}.py".format(i), (((), ()),), repairs=(Sleeper,), source=b"SLOW = (\\n") for i in range(2)]
 list(process_tasks(tasks, jobs=2))
 """
 

@@ -45,7 +45,7 @@ def state(root: Path) -> dict:
 
 def migration(path: Path):
     rules = rules_for("device")
-    return process_path(str(path), rules, [r.code for r in rules if r.code in fixed_codes("device")])
+    return process_path(str(path), [(rules, [r.code for r in rules if r.code in fixed_codes("device")])])
 
 
 @pytest.fixture

@@ -124,7 +124,7 @@ class Loader:
 
 
 def script_model(ctx) -> "ScriptModel":
-    return ctx.shared("script-model", ScriptModel)
+    return ctx.shared("script-model", ScriptModel, tree=True)
 
 
 class ScriptModel:
@@ -436,7 +436,7 @@ class ScriptModel:
             if isinstance(node.func, cst.Attribute) and \
                     node.func.attr.value == "step" and isinstance(node.func.value, cst.Name):
                 scope = self.s.scope(node)
-                if self.kind(node.func.value) in (v.OPTIMIZER, v.SCHEDULER, v.MODULE, v.LOSS_MODULE):
+                if self.kind(node.func.value) in (v.OPTIMIZER, v.SCHEDULER, v.SCALER, v.MODULE, v.LOSS_MODULE):
                     continue
                 stepped.setdefault((id(scope.node), node.func.value.value), node)
         for (_, name), use in stepped.items():

@@ -26,6 +26,7 @@ LOSS_MODULE = "loss module"  # nn.CrossEntropyLoss(), a Loss class of this file
 OPTIMIZER = "optimizer"
 OPTIMIZER_CLASS = "optimizer class"  # getattr(torch.optim, name)
 SCHEDULER = "scheduler"
+SCALER = "grad scaler"       # torch.amp.GradScaler(): `scaler.step(opt)` steps `opt`, it is no optimizer
 PARAMS = "parameters"        # model.parameters(), list(...) of them
 LOADER = "loader"
 DATASET = "dataset"
@@ -335,6 +336,9 @@ class Values:
             return MODULE
         if qualified.startswith("torch.optim.lr_scheduler."):
             return SCHEDULER
+        if last in ("GradScaler", "ShardedGradScaler") and qualified.startswith("torch.") or \
+                qualified.endswith(".grad_scaler") and qualified.startswith(("gpumigrate", "gpumigrate_runtime")):
+            return SCALER
         if qualified.startswith("torch.optim.") and last[:1].isupper():
             return OPTIMIZER
         if qualified in DATALOADER:

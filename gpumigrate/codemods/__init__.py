@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple, Type
+from typing import Dict, List, Sequence, Tuple, Type
 
 from gpumigrate.targets import TARGET_BASES, TARGETS, target_bases  # noqa: F401  (re-exported)
 
@@ -117,6 +117,28 @@ def rules_for(target: str) -> List[Type[Rule]]:
     """The rules a migration to `target` runs: its fixes, plus lint-only rules it reports."""
     bases = set(target_bases(target))
     return [rule for rule in ALL_RULES if rule.fixed_in & bases or getattr(rule, "reported_in", frozenset()) & bases]
+
+
+# amp before ddp: apex's `amp.initialize` rebinds the model and must be gone before ddp
+# decides where the model is wrapped (apex wants DDP after it), and ddp's rank-0 gates and
+# reductions then see the mixed-precision step they must not split.
+PASS_ORDER = ("device", "amp", "ddp")
+
+
+def passes_for(target: str, rules: Sequence[Type[Rule]]) -> List[Tuple[List[Type[Rule]], List[str]]]:
+    """The `target` migration as passes, in order (device, then amp, then ddp), each run on
+    the output of the one before: (the rules among `rules` it runs, the codes it fixes). A
+    rule runs in the first pass that fixes it, else in the first that reports it: each pass
+    decides from the code it rewrites, so ddp sees the device-agnostic script."""
+    bases = set(target_bases(target))
+    out, placed = [], set()
+    for base in sorted(bases, key=PASS_ORDER.index):
+        here = [r for r in rules if r not in placed and (base in r.fixed_in or not r.fixed_in & bases
+                                                         and base in getattr(r, "reported_in", frozenset()))]
+        placed.update(here)
+        if here:
+            out.append((here, [r.code for r in here if r.fixed_in & bases]))
+    return out
 
 
 def select(chosen: List[str], ignored: List[str], *, lint: bool = True) -> List[Type[Rule]]:

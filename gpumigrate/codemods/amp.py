@@ -9,6 +9,7 @@ import libcst as cst
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.structure import dotted
+from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.codemods.amp_plan import AmpPlan, _forward_call, amp_plan
 from gpumigrate.codemods.distributed import _APEX_PARALLEL
 from gpumigrate.codemods.base import Clean, Flagged, Rule
@@ -615,12 +616,25 @@ class HalfTraining(_MigratedByAmp):
                                   "autocast casts per operation, evaluation outside autocast does not)", review=True)
 
     def leave_SimpleStatementLine(self, original, updated):
-        """`model.half()` alone on its line goes, and so does `x = x.half()`."""
+        """`model.half()` alone on its line goes, and so does `x = x.half()`; so does a
+        `keep_batchnorm_fp32(model)` (GM305's guard, from a device pass or an earlier run):
+        the model it guarded is float32 now."""
         small = original.body[0] if len(original.body) == 1 else None
+        if small is not None and self._obsolete_guard(small):
+            self.report(small.value)
+            self.ctx.remove_import(self.qualify(small.value.func).rsplit(".", 1)[0], "keep_batchnorm_fp32")
+            return self.ctx.remove_statement(updated)
         if small is None or not _whole_line(small, getattr(small, "value", None), self.halves):
             return None
         self.report(small.value)
         return self.ctx.remove_statement(updated) if self.plan.applies else None
+
+    def _obsolete_guard(self, small: cst.BaseSmallStatement) -> bool:
+        if not (self.plan.applies and self.fixing and m.matches(small, m.Expr(m.Call(args=[m.Arg(m.Name())])))):
+            return False
+        model = script_model(self.ctx)
+        return runtime_helper(self.qualify(small.value.func)) == "keep_batchnorm_fp32" and \
+            model.module_like(small.value.args[0].value) and any(model.module_like(c.func.value) for c in self.plan.halves)
 
     def leave_If(self, original: cst.If, updated: cst.If):
         """`else: x = x.half()` emptied: the `else` goes."""

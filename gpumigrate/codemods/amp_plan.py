@@ -89,13 +89,12 @@ class AmpPlan:
 def _insert_after_setup(module: cst.Module, stmt: cst.SimpleStatementLine) -> cst.Module:
     """After the imports, and after the device (or process group) set-up the other
     migrations put there, so that the set-up reads as one block."""
-    from gpumigrate.codemods.device_plan import _after_imports
+    from gpumigrate.codemods.device_plan import _after_imports, set_up_line
 
     at = _after_imports(module)
     body = list(module.body)
     after_setup = False
-    while at < len(body) and isinstance(body[at], cst.SimpleStatementLine) and \
-            any(f"{helper}(" in module.code_for_node(body[at]) for helper in ("get_device", "setup_distributed")):
+    while at < len(body) and set_up_line(module, body[at]):
         at, after_setup = at + 1, True
     leading = [] if after_setup or not at else [cst.EmptyLine()]
     return module.with_changes(body=body[:at] + [stmt.with_changes(leading_lines=leading)] + body[at:])

@@ -21,6 +21,7 @@ from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.model import Loader, TrainedModel
 from gpumigrate.analysis.structure import Function, dotted, target_names
+from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.analysis.values import call_argument
 
 _MAIN_TEST = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
@@ -103,6 +104,17 @@ def _executable(stmt: cst.CSTNode) -> bool:
     return True
 
 
+def device_definition(stmt: cst.CSTNode, qualify, helpers: Tuple[str, ...] = ("get_device",)) -> bool:
+    """`device = get_device()` of the runtime (what the device pass writes; `helpers` also
+    `grad_scaler`, the amp pass's): it runs code, but does not make a script of a module that
+    only defines things."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    small = stmt.body[0]
+    return isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name) \
+        and isinstance(small.value, cst.Call) and runtime_helper(qualify(small.value.func)) in helpers
+
+
 def _has_call(node: cst.CSTNode) -> bool:
     stack = [node]
     while stack:
@@ -132,7 +144,8 @@ class DdpPlan:
         """Where the script starts running: ("module", None) for module-level code, ("main",
         the `if __name__ == "__main__":` block) for a script whose code all runs from there."""
         module = self.ctx.module
-        if any(_executable(stmt) for stmt in module.body):
+        if any(_executable(stmt) and not device_definition(stmt, self.model.qualify, ("get_device", "grad_scaler"))
+               for stmt in module.body):
             return ("module", None)
         block = main_block(module)
         if block is not None and isinstance(block.body, cst.IndentedBlock):
@@ -1347,7 +1360,9 @@ class DdpPlan:
                         second is not None and not isinstance(second, cst.Integer)
                         and "local_rank" not in self.ctx.module.code_for_node(second).lower())):
                     out.append(node)
-            elif isinstance(node.func, cst.Attribute) and node.func.attr.value == "cuda" and node.args:
+            elif (isinstance(node.func, cst.Attribute) and node.func.attr.value == "cuda"
+                  or runtime_helper(self.model.qualify(node.func)) == "get_device") and node.args:
+                # `.cuda(i)`, and what the device pass made of it and of `torch.device("cuda", i)`
                 arg = node.args[0].value
                 if node.args[0].keyword is None and not (isinstance(arg, cst.Integer) and arg.value == "0") \
                         and "local_rank" not in self.ctx.module.code_for_node(arg).lower():

@@ -158,6 +158,16 @@ def _after_imports(module: cst.Module) -> int:
     return at
 
 
+_SET_UP = ("get_device", "setup_distributed", "grad_scaler")
+
+
+def set_up_line(module: cst.Module, stmt: cst.CSTNode) -> bool:
+    """A line of the set-up block the migrations put after the imports: the device, the
+    process group, the gradient scaler."""
+    return isinstance(stmt, cst.SimpleStatementLine) and any(
+        f"{helper}(" in module.code_for_node(stmt) for helper in _SET_UP)
+
+
 def _covers(funcs: Tuple[cst.FunctionDef, ...], top: int, sites: List[Site]) -> bool:
     """Is a name bound at (funcs, top) visible at every site?"""
     if not funcs:  # module level: visible in every function; at module level only afterwards

@@ -18,8 +18,8 @@ from gpumigrate.analysis import script_model
 from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.codemods.base import Clean, Flagged, Rule
-from gpumigrate.codemods.ddp_plan import ddp_plan, main_block
-from gpumigrate.codemods.device_plan import _after_imports, device_plan
+from gpumigrate.codemods.ddp_plan import ddp_plan, device_definition, main_block
+from gpumigrate.codemods.device_plan import _after_imports, device_plan, set_up_line
 from gpumigrate.codemods.helpers import (
     findall,
     fresh_name,
@@ -157,6 +157,10 @@ class DdpSetup(Rule):
         if any((self.qualify(c.func) or "").endswith("setup_distributed") for c in findall(self.ctx.module, m.Call())):
             return
         kind, _ = self.plan.entry
+        if kind == "module":
+            self._device_line = self._device_definition()
+            if self._device_line is not None:
+                return  # it becomes `device = setup_distributed()` (leave_SimpleStatementLine)
         plan = device_plan(self.ctx)
         if kind == "module" and plan.define_at_top and plan.flag is None:
             plan.distributed_definition = True
@@ -176,9 +180,23 @@ class DdpSetup(Rule):
             at = _after_imports(module)
             body = list(module.body)
             first = statement.with_changes(leading_lines=[cst.EmptyLine()] if at else [])
+            if at < len(body) and set_up_line(module, body[at]) and \
+                    all(not line.comment for line in body[at].leading_lines):
+                body[at] = body[at].with_changes(leading_lines=[])  # the set-up block, headed by the group
             return module.with_changes(body=body[:at] + [first] + body[at:])
 
         self.ctx.add_finisher("ddp-setup", insert)
+
+    def _device_definition(self) -> Optional[cst.SimpleStatementLine]:
+        """The script's first statement after its imports, if it is `device = get_device()`
+        (what the device pass writes): setup_distributed() returns that device, so it takes
+        the definition's place, as one run of both would have written it."""
+        body = self.ctx.module.body
+        at = _after_imports(self.ctx.module)
+        line = body[at] if at < len(body) else None
+        if line is None or not device_definition(line, self.qualify) or line.body[0].value.args:
+            return None
+        return line
 
     def _wrap_statements(self, wraps) -> List[cst.SimpleStatementLine]:
         out = []
@@ -194,6 +212,11 @@ class DdpSetup(Rule):
     def leave_SimpleStatementLine(self, original, updated):
         if not self.plan.active:
             return None
+        if original is getattr(self, "_device_line", None) and self.fixing:
+            qualified = self.qualify(original.body[0].value.func)
+            self.ctx.remove_import(qualified.rsplit(".", 1)[0], "get_device")
+            return updated.with_changes(body=[updated.body[0].with_changes(
+                value=cst.Call(func=runtime_name(self.ctx, "setup_distributed")))])
         own_init = self._own_init(original, updated)
         if own_init is not None:
             return own_init

@@ -88,7 +88,7 @@ def runtime_name(ctx, name: str, fixing: bool = True) -> cst.Name:
     for local, qualified in ctx.names.local.items():
         if runtime_helper(qualified) == name:
             return cst.Name(local)  # imported already (a second run), from either runtime module
-    taken = ctx.shared("identifiers", lambda c: _identifiers(c))
+    taken = ctx.shared("identifiers", _identifiers, tree=True)
     local = name
     if name in taken:
         local = fresh_name(ctx, f"gm_{name}")
@@ -110,7 +110,7 @@ def torch_name(ctx, attr: str, fixing: bool = True) -> cst.BaseExpression:
 
 def fresh_name(ctx, base: str) -> str:
     """`base`, or `base2`, `base3`... whichever the script does not use anywhere."""
-    taken = ctx.shared("identifiers", lambda c: _identifiers(c))
+    taken = ctx.shared("identifiers", _identifiers, tree=True)
     reserved = ctx.shared("fresh-names", lambda c: {})
     if base in reserved:
         return reserved[base]

@@ -32,7 +32,7 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Collection, Optional, Sequence
+from typing import Collection, Optional, Sequence, Tuple
 
 from gpumigrate import __version__
 from gpumigrate.rewriter.engine import FileResult, Finding, compiles
@@ -62,10 +62,10 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def run_key(rules: Sequence[type], fix: Sequence[str], options: Optional[dict],
+def run_key(passes: Sequence[Tuple[Sequence[type], Sequence[str]]], options: Optional[dict],
             repairs: Optional[Sequence[type]]) -> str:
     """What a file's result depends on apart from its bytes and kind."""
-    parts = {"code": code_fingerprint(), "rules": [r.code for r in rules], "fix": sorted(fix),
+    parts = {"code": code_fingerprint(), "passes": [([r.code for r in rules], sorted(fix)) for rules, fix in passes],
              "options": sorted((k, repr(v)) for k, v in (options or {}).items()),
              "repairs": None if repairs is None else [r.code for r in repairs]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

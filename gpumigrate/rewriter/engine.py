@@ -350,6 +350,7 @@ class FileContext:
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
         self._removed: Dict[int, cst.CSTNode] = {}
         self._index: Optional[NodeIndex] = None
+        self._tree_facts: Dict[Any, Any] = {}  # shared(..., tree=True)
         # original statement of a block -> what the traversal made of it (a node, several, none)
         self._results: Dict[int, List[cst.CSTNode]] = {}
 
@@ -388,11 +389,14 @@ class FileContext:
         found = seen.positions
         return [index.order[i] for i in found[bisect.bisect_left(found, start):bisect.bisect_left(found, end)]]
 
-    def shared(self, key: Any, build: Callable[["FileContext"], Any]) -> Any:
-        """A per-file analysis, built once however many rules ask for it."""
-        if key not in self._cache:
-            self._cache[key] = build(self)
-        return self._cache[key]
+    def shared(self, key: Any, build: Callable[["FileContext"], Any], tree: bool = False) -> Any:
+        """A per-file analysis, built once however many rules ask for it. `tree`: it is a
+        fact of the tree alone (not of the codes fixed or the options), so a later run over
+        the same bytes (the next pass of a migration) takes it as it is."""
+        cache = self._tree_facts if tree else self._cache
+        if key not in cache:
+            cache[key] = build(self)
+        return cache[key]
 
     def position(self, node: cst.CSTNode) -> Tuple[int, int]:
         """1-based line, 0-based column of a node of the original tree."""
@@ -892,7 +896,38 @@ def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
         for mod, name, asname in ctx.imports_to_add:
             AddImportsVisitor.add_needed_import(codemod_ctx, mod, name, asname)
         module = _transform_in_place(AddImportsVisitor(codemod_ctx), module)
+        added: Dict[str, Set[str]] = defaultdict(set)
+        for mod, name, asname in ctx.imports_to_add:
+            if name:
+                added[mod].add(f"{name} as {asname}" if asname else name)
+        module = module.visit(_SortedImports(added))
     return module
+
+
+class _SortedImports(cst.CSTTransformer):
+    """AddImportsVisitor appends names to an existing `from m import a, c`: where those were
+    in order, the merged list is put in order too (`a, b, c`), as one run adding all of them
+    at once would write it."""
+
+    def __init__(self, added: Dict[str, Set[str]]) -> None:
+        self.added = added  # module -> the names added to it
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False  # AddImportsVisitor edits module-level imports only
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        code = cst.Module(body=[]).code_for_node
+        added = self.added.get(code(updated.module)) if updated.module is not None else None
+        if not added or isinstance(updated.names, cst.ImportStar):
+            return updated
+        names = list(updated.names)
+        key = [code(alias.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for alias in names]
+        earlier = [k for k in key if k not in added]
+        if key == sorted(key) or earlier != sorted(earlier) or len(earlier) == len(key):
+            return updated
+        order = sorted(range(len(names)), key=key.__getitem__)
+        commas = [alias.comma for alias in names]
+        return updated.with_changes(names=[names[i].with_changes(comma=commas[n]) for n, i in enumerate(order)])
 
 
 def _transform_in_place(codemod: Codemod, module: cst.Module) -> cst.Module:
@@ -936,6 +971,47 @@ def _gate(rule: type, facts: SourceFacts) -> bool:
 GATES = True
 
 
+class _Front:
+    """A source as the engine reads it before any rule runs: CPython's judgement, with the
+    facts the gates read and the statements' positions from its stdlib tree, then (on
+    demand: only if a gate passes) LibCST's tree. The same bytes read again (the next pass
+    of a migration, when the one before changed nothing) reuse it all, with the facts the
+    first run's analyses established about the tree (`FileContext.shared(..., tree=True)`)."""
+
+    def __init__(self, source: bytes, path: str, repairs: Sequence[type], light_ok: bool) -> None:
+        self.source, self.path, self.repairs = source, path, repairs
+        tree = _python_tree(source, path) if GATES else None
+        self.judged, self.read = tree is not None, source
+        self.facts: Optional[SourceFacts] = None
+        self.statement_lines: Optional[List[Tuple[int, Optional[int], int]]] = None
+        self.whole: Optional[str] = None
+        if tree is not None:
+            self.whole = _decode(source, path)
+            self.facts = SourceFacts.of(tree, self.whole)
+            if light_ok:  # lint may parse the file with large data literals pruned (a rewrite may not)
+                light = without_data(self.whole, tree)
+                if light is not self.whole:
+                    self.read = light.encode(tokenize.detect_encoding(io.BytesIO(source).readline)[0])
+            if _fast_traversal():
+                self.statement_lines = _statement_lines(tree, self.whole)
+        self.module: Optional[cst.Module] = None
+        self.names: Any = None
+        self.index: Optional[NodeIndex] = None
+        self.tree_facts: Dict[Any, Any] = {}
+
+    def parse(self) -> None:
+        if self.module is not None:
+            return
+        self.module, self.parsed_source, self.early = _parse(self.read, self.path, self.repairs, judged=self.judged)
+        self.text = self.whole if self.whole is not None and self.parsed_source is self.source else \
+            _decode(self.parsed_source, self.path)
+        self.whole = self.whole if self.whole is not None else self.text  # rules read the whole text
+        if not self.judged and GATES and _fast_traversal():
+            tree = _python_tree(self.parsed_source, self.path)  # repaired (`async=`): its statements
+            if tree is not None:
+                self.statement_lines = _statement_lines(tree, self.text)
+
+
 def process(
     source: bytes,
     path: str,
@@ -945,54 +1021,53 @@ def process(
     names_factory: Callable[[cst.Module], Any],
     options: Optional[Dict[str, Any]] = None,
     repairs: Optional[Sequence[type]] = None,
+    reuse: Optional[Dict[Any, _Front]] = None,
 ) -> FileResult:
     """Run `rules` over one source unit. `fix`: codes whose fixes are applied. `repairs`:
     rules whose lexical repairs may make an old file parse (default: `rules`); they are
-    applied whatever is selected, as a file must parse to be checked at all.
+    applied whatever is selected, as a file must parse to be checked at all. `reuse`: a
+    dict kept across runs over the same file (the passes of a migration): a run over the
+    bytes of the run before takes their parse and tree facts from it.
 
-    A file marked `# gpumigrate: noqa` is left alone; `# gpumigrate: noqa: CODES` turns
-    those codes off in it. Never raises for bad input: the problem comes back as
-    `FileResult.error`."""
+    Only the rules whose gate passes run (a gate is a necessary condition of any finding, so
+    of any fix), and a file no gate passes is not parsed by LibCST. A file marked
+    `# gpumigrate: noqa` is left alone; `# gpumigrate: noqa: CODES` turns those codes off in
+    it. Never raises for bad input: the problem comes back as `FileResult.error`."""
     result = FileResult(path=path, source=source)
     with reported_as_error(result, f"{path}:1"):
         repairs = rules if repairs is None else repairs
         fix = list(fix)
-        tree = _python_tree(source, path) if GATES and not fix else None
-        judged, read, whole = tree is not None, source, None
-        if tree is not None:  # lint: only rules that can report here, and LibCST only if one can
-            whole = _decode(source, path)
-            facts = SourceFacts.of(tree, whole)
-            rules = [rule for rule in rules if _gate(rule, facts)]
+        key = (bool(fix), tuple(repairs))
+        front = reuse.get(key) if reuse is not None else None
+        if front is None or front.source is not source and front.source != source:
+            front = _Front(source, path, repairs, light_ok=not fix)
+            if reuse is not None:
+                reuse.clear()  # only the newest bytes are read again
+                reuse[key] = front
+        if front.facts is not None and not fix:  # lint: only the rules that can report here
+            rules = [rule for rule in rules if _gate(rule, front.facts)]
             if not rules:
                 return result
-            light = without_data(whole, tree)
-            if light is not whole:
-                read = light.encode(tokenize.detect_encoding(io.BytesIO(source).readline)[0])
-            statement_lines = _statement_lines(tree, whole)
-            del tree, facts, light
-        module, parsed_source, early = _parse(read, path, repairs, judged=judged)
-        text = whole if whole is not None and parsed_source is source else _decode(parsed_source, path)
-        whole = whole if whole is not None else text  # rules read the whole text, not the light one
+        front.parse()
+        module, parsed_source, whole = front.module, front.parsed_source, front.whole
         skip, off = file_noqa(whole) if "gpumigrate" in whole else (False, [])
         if skip:
             return result
         if off:
             rules = [r for r in rules if not _covers(off, r.code)]
             fix = [c for c in fix if not _covers(off, c)]
-        ctx = FileContext(module, path, whole, names_factory(module), options)
+        if front.names is None:
+            front.names = names_factory(module)
+        ctx = FileContext(module, path, whole, front.names, options)
         ctx.fixing = set(fix)
-        if judged and _fast_traversal():
-            ctx.statement_lines = statement_lines
-        elif GATES and not fix and parsed_source is not read and _fast_traversal():
-            tree = _python_tree(parsed_source, path)  # repaired (`async=`): its statements, for positions
-            if tree is not None:
-                ctx.statement_lines = _statement_lines(tree, text)
+        ctx.statement_lines = front.statement_lines
+        ctx._index, ctx._tree_facts = front.index, front.tree_facts
         # A repair is reported under its own code only if that rule is selected; when the
         # file is rewritten the repair is part of the output either way, and counts as a fix.
         codes = {r.code for r in rules}
-        ctx.reports.extend(rep for rep in early if rep.code in codes or ctx.fixing)
+        ctx.reports.extend(rep for rep in front.early if rep.code in codes or ctx.fixing)
         token = CURRENT.set(ctx)
-        active = [rule(ctx) for rule in rules if _applies(rule, text)]
+        active = [rule(ctx) for rule in rules if _applies(rule, whole)]
         if not active:
             new_module = module
         elif ctx.fixing or not _fast_traversal():
@@ -1005,6 +1080,7 @@ def process(
                 new_module = finish(new_module)
             new_module = _edit_imports(ctx, new_module)
         CURRENT.reset(token)
+        front.index = ctx._index
         result.findings = _findings(ctx)
         new_source = new_module.bytes if ctx.fixing else parsed_source
         if new_source != source and ctx.fixing:

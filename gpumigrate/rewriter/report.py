@@ -325,16 +325,21 @@ def line_map(old: bytes, new: bytes) -> Callable[[int], int]:
 Position = Tuple[int, int]  # (cell, line); cell 0 in a plain file
 
 
-def _position_map(r: Any) -> Callable[[Finding], Position]:
-    """Finding -> where its code now is in the migrated file. A notebook maps each changed
-    cell's lines on their own: a cell's line numbers are what a notebook user sees."""
-    if not r.changed:
+def position_map(path: str, old: bytes, new: bytes) -> Callable[[Finding], Position]:
+    """Finding in `old` -> where its code is in `new`. A notebook maps each changed cell's
+    lines on their own: a cell's line numbers are what a notebook user sees."""
+    if old == new:
         return lambda f: (f.cell, f.line)
-    if is_notebook(r.path):
-        maps = {n: line_map(old.encode(), new.encode()) for n, old, new in changed_cells(r.source, r.new_source) or ()}
+    if is_notebook(path):
+        maps = {n: line_map(a.encode(), b.encode()) for n, a, b in changed_cells(old, new) or ()}
         return lambda f: (f.cell, maps[f.cell](f.line) if f.cell in maps else f.line)
-    moved = line_map(r.source, r.new_source)
+    moved = line_map(old, new)
     return lambda f: (f.cell, moved(f.line))
+
+
+def _position_map(r: Any) -> Callable[[Finding], Position]:
+    """Finding -> where its code now is in the migrated file."""
+    return position_map(r.path, r.source, r.new_source) if r.changed else (lambda f: (f.cell, f.line))
 
 
 def _grouped(findings: Sequence[Finding], where: Callable[[Finding], Position]) -> List[Dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import stat
@@ -15,15 +16,15 @@ from gpumigrate.rewriter.names import ImportTable
 from gpumigrate.rewriter.notebook import is_notebook, process_notebook
 
 
-def process_path(path: str, rules: Sequence[type], fix: Sequence[str], options: Optional[dict] = None,
+def process_path(path: str, passes: Sequence["Pass"], options: Optional[dict] = None,
                  repairs: Optional[Sequence[type]] = None,
                  max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE) -> FileResult:
-    """`path` through the engine; only a regular file of at most `max_size` bytes is read."""
+    """`path` through the engine's passes; only a regular file of at most `max_size` bytes is read."""
     read_in = read_input(path, max_size)
     if isinstance(read_in, FileResult):
         return read_in
     source, stamp = read_in
-    result = process_source(source, path, rules, fix, options, repairs)
+    result = process_passes(source, path, passes, options, repairs)
     result.read_as = stamp
     return result
 
@@ -38,12 +39,65 @@ def read_input(path: str, max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE) -> Un
         return FileResult(path=path, source=b"", error=f"{path}: cannot read: {exc.strerror or exc}")
 
 
+Pass = Tuple[Sequence[type], Sequence[str]]  # the rules one pass runs, and the codes it fixes
+# Rounds of every pass before a rewrite must have stopped changing (ruff's fix loop has 100;
+# ours converge in two, the second confirming the first).
+MAX_ROUNDS = 4
+
+
 def process_source(source: bytes, path: str, rules: Sequence[type], fix: Sequence[str],
                    options: Optional[dict] = None, repairs: Optional[Sequence[type]] = None) -> FileResult:
-    """`source`, named `path` in messages (stdin has no file of its own)."""
+    """`source`, named `path` in messages (stdin has no file of its own), through one pass."""
+    return process_passes(source, path, [(rules, fix)], options, repairs)
+
+
+def process_passes(source: bytes, path: str, passes: Sequence[Pass], options: Optional[dict] = None,
+                   repairs: Optional[Sequence[type]] = None) -> FileResult:
+    """`source` through each pass in order, each reading the output of the one before, and
+    again until a round changes nothing: what is returned is a fixpoint, so a second run of
+    the same passes never changes it. Findings are given at the original's lines: those of
+    the first round, and the fixes (and new review items) of later rounds."""
     engine = process_notebook if is_notebook(path) else process
-    return run_deep(engine, source, path, rules, fix=fix, names_factory=ImportTable, options=options,
-                    repairs=repairs)
+    reuse: Dict[Any, Any] = {}  # a pass over the bytes the pass before left unchanged reuses their parse
+
+    def one(text: bytes, rules: Sequence[type], fix: Sequence[str]) -> FileResult:
+        return run_deep(engine, text, path, rules, fix=fix, names_factory=ImportTable, options=options,
+                        repairs=repairs, reuse=reuse)
+
+    if len(passes) == 1 and not passes[0][1]:  # lint: nothing changes, one run
+        return one(source, *passes[0])
+    current, findings, known = source, [], set()
+    for round_ in range(MAX_ROUNDS):
+        changed = False
+        for rules, fix in passes:
+            result = one(current, rules, fix)
+            if result.error is not None:
+                return FileResult(path=path, source=source, error=result.error)
+            back = _back_to(path, current, source)
+            for finding in result.findings:
+                moved = back(finding)
+                key = (finding.code, finding.message, moved)
+                if round_ == 0 or (key not in known and (finding.fixed or result.changed)):
+                    findings.append(finding if moved == (finding.cell, finding.line) else dataclasses.replace(
+                        finding, cell=moved[0], line=moved[1], end_line=moved[1] + finding.end_line - finding.line))
+                known.add(key)
+            if result.changed:
+                current, changed = result.new_source, True
+        if not changed:
+            out = FileResult(path=path, source=source, findings=findings)
+            out.new_source = current if current != source else None
+            return out
+    return FileResult(path=path, source=source, error=f"{path}:1: fixes dropped: the rewrite kept changing after "
+                                                        f"{MAX_ROUNDS} rounds (please report it); file left unchanged")
+
+
+def _back_to(path: str, current: bytes, original: bytes) -> Callable[[Any], Tuple[int, int]]:
+    """Finding in `current` -> (cell, line) of the original it stands for."""
+    if current is original:
+        return lambda f: (f.cell, f.line)
+    from gpumigrate.rewriter.report import position_map  # difflib and the notebook layer, only when rewritten
+
+    return position_map(path, current, original)
 
 
 def tune_gc() -> None:
@@ -105,9 +159,9 @@ def process_paths(paths: Sequence[str], rules: Sequence[type], fix: Sequence[str
                   options: Optional[dict] = None, jobs: Optional[int] = None) -> Iterator[FileResult]:
     """Each file independently, in worker processes `jobs` at a time (default: one per CPU):
     one bad file never stops the others, even one that crashes its worker. Input order."""
-    from gpumigrate.rewriter.workers import Task, process_tasks  # workers imports this module
+    from gpumigrate.rewriter.workers import Task, one_pass, process_tasks  # workers imports this module
 
-    yield from process_tasks([Task(path, tuple(rules), tuple(fix), options) for path in paths], jobs)
+    yield from process_tasks([Task(path, one_pass(rules, fix), options) for path in paths], jobs)
 
 
 def write_result(result: FileResult, output: str = "") -> None:

@@ -26,16 +26,16 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 from gpumigrate.rewriter.cache import Cache, run_key
 from gpumigrate.rewriter.engine import FileResult
 from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Stamp
-from gpumigrate.rewriter.run import process_path, process_source, read_input, tune_gc
+from gpumigrate.rewriter.run import process_passes, process_path, read_input, tune_gc
 
 
 @dataclass(frozen=True)
 class Task:
-    """One file's work, as sent to a worker (rules are classes: pickled by name)."""
+    """One file's work, as sent to a worker (rules are classes: pickled by name): its passes,
+    in order, each (the rules it runs, the codes it fixes); lint is one pass."""
 
     path: str
-    rules: Tuple[type, ...]
-    fix: Tuple[str, ...]
+    passes: Tuple[Tuple[Tuple[type, ...], Tuple[str, ...]], ...]
     options: Optional[dict] = None
     repairs: Optional[Tuple[type, ...]] = None
     max_size: Optional[int] = DEFAULT_MAX_FILE_SIZE
@@ -44,15 +44,19 @@ class Task:
 
     def codes(self) -> frozenset:
         """The codes this task's results may hold."""
-        return frozenset(r.code for r in (*self.rules, *(self.repairs or ())))
+        return frozenset(r.code for rules, _ in self.passes for r in (*rules, *(self.repairs or ())))
+
+
+def one_pass(rules: Sequence[type], fix: Sequence[str]) -> Tuple[Tuple[Tuple[type, ...], Tuple[str, ...]], ...]:
+    return ((tuple(rules), tuple(fix)),)
 
 
 def run_task(task: Task) -> FileResult:
     if task.source is not None:
-        result = process_source(task.source, task.path, task.rules, task.fix, task.options, task.repairs)
+        result = process_passes(task.source, task.path, task.passes, task.options, task.repairs)
         result.read_as = task.stamp
         return result
-    return process_path(task.path, task.rules, task.fix, task.options, task.repairs, max_size=task.max_size)
+    return process_path(task.path, task.passes, task.options, task.repairs, max_size=task.max_size)
 
 
 def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[Cache],
@@ -81,9 +85,9 @@ def process_cached(tasks: Sequence[Task], jobs: Optional[int], cache: Optional[C
             plan.append(("known", read_in))
             continue
         source, stamp = read_in
-        signature = (task.rules, task.fix, repr(sorted((task.options or {}).items())), task.repairs)
+        signature = (task.passes, repr(sorted((task.options or {}).items())), task.repairs)
         if signature not in runs:
-            runs[signature] = run_key(task.rules, task.fix, task.options, task.repairs)
+            runs[signature] = run_key(task.passes, task.options, task.repairs)
         run, codes, fresh = runs[signature], task.codes(), replace(task, source=source, stamp=stamp)
         key = cache.key(run, task.path, stamp.sha256)
         hit = cache.get(key, task.path, source, codes)
