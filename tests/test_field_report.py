@@ -1,9 +1,10 @@
-"""The field report's scripts (../shared/field-reports/unseen-scripts-1/R*.py), each migrated
-to the target its row names and run the way the row says, checked against the report's
-"right" column. Where the right answer is "reported", the review item is checked.
+"""The first field report's scripts (fixtures/field/report1/R*.py, see fixtures/field/README.md),
+each migrated to the target its row names and run the way the row says, checked against the
+report's "right" column. Where the right answer is "reported", the review item is checked.
 
 These are small scripts written for the report, one pattern each; the realistic fixtures
-in fixtures/scripts cover the same patterns in context (tests/test_patterns_e2e.py).
+in fixtures/scripts cover the same patterns in context (tests/test_patterns_e2e.py). The
+second report's scripts are tested in tests/test_field_report_2.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from tests.conftest import ROOT, migrate
+from tests.conftest import FIXTURES, ROOT, migrate
 from tests.probe_runs import LAUNCH_VARS
 
-REPORT = ROOT.parent / "shared" / "field-reports" / "unseen-scripts-1"
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not REPORT.is_dir(), reason=f"no field report at {REPORT}")]
+REPORT = FIXTURES / "field" / "report1"
+pytestmark = [pytest.mark.e2e]
 
 
 def _migrated(name: str, target: str, tmp_path: Path) -> Tuple[Path, List[str]]:
@@ -98,6 +99,7 @@ def test_r18_the_else_branch_goes_with_the_guard(tmp_path):
 
 # ---------------------------------------------------------------- ddp target, torchrun
 
+@pytest.mark.ddp
 def test_r03_metric_objects_evaluate_the_whole_set_on_every_rank(tmp_path):
     out, reviews, _ = _torchrun("R03_unreduced_metric.py", tmp_path)
     lines = out.splitlines()
@@ -105,6 +107,7 @@ def test_r03_metric_objects_evaluate_the_whole_set_on_every_rank(tmp_path):
     assert any("evaluation not sharded" in r for r in reviews)
 
 
+@pytest.mark.ddp
 def test_r04_run_stamp_agreed_after_setup(tmp_path):
     out, _, script = _torchrun("R04_bcast_before_setup.py", tmp_path)
     assert out.count("would save to") == 1
@@ -112,6 +115,7 @@ def test_r04_run_stamp_agreed_after_setup(tmp_path):
     assert text.index("setup_distributed()") < text.index("broadcast_object(")
 
 
+@pytest.mark.ddp
 def test_r05_iteration_based_loader_sharded_and_reshuffled(tmp_path):
     out, reviews, _ = _torchrun("R05_iter_loader.py", tmp_path)
     rows = [eval(line.split(" ", 1)[1]) for line in out.splitlines()]  # rank 0's batches
@@ -122,12 +126,14 @@ def test_r05_iteration_based_loader_sharded_and_reshuffled(tmp_path):
     assert any("iteration-based" in r for r in reviews)
 
 
+@pytest.mark.ddp
 def test_r06_optimizer_from_getattr_trains_the_wrapped_model(tmp_path):
     _torchrun("R06_optimizer_factory.py", tmp_path)
     weights = [(tmp_path / f"weights_rank{r}.txt").read_text() for r in (0, 1)]
     assert weights[0] == weights[1]
 
 
+@pytest.mark.ddp
 def test_r07_wrapped_after_reaching_its_device(tmp_path):
     _, _, script = _torchrun("R07_reload_after_count.py", tmp_path)
     text = script.read_text()
@@ -135,11 +141,13 @@ def test_r07_wrapped_after_reaching_its_device(tmp_path):
     assert text.count("print(") == 1 and "if is_main_process():\n    print('parameters:'" in text
 
 
+@pytest.mark.ddp
 def test_r08_training_average_is_the_true_one(tmp_path):
     out, _, script = _torchrun("R08_train_avg.py", tmp_path)
     assert out == _ok(_run(script))  # lr 0: the whole-set average, as in one process
 
 
+@pytest.mark.ddp
 @pytest.mark.parametrize("name", ["R09_loss_module.py", "R09b_loss_module_noparam.py"])
 def test_r09_loss_modules_are_never_wrapped(name, tmp_path):
     out, reviews, script = _torchrun(name, tmp_path)
@@ -148,6 +156,7 @@ def test_r09_loss_modules_are_never_wrapped(name, tmp_path):
     assert any("loss module" in r for r in reviews)
 
 
+@pytest.mark.ddp
 def test_r10_saved_container_holds_the_plain_model(tmp_path):
     _torchrun("R10_pickled_ddp.py", tmp_path)
     check = tmp_path / "check.py"
@@ -156,6 +165,7 @@ def test_r10_saved_container_holds_the_plain_model(tmp_path):
     assert _ok(_run(check)).strip() == "Linear False"
 
 
+@pytest.mark.ddp
 def test_r14_every_output_written_once(tmp_path):
     pytest.importorskip("tqdm")
     out, _, _ = _torchrun("R14_outputs.py", tmp_path)
@@ -163,12 +173,14 @@ def test_r14_every_output_written_once(tmp_path):
     assert (tmp_path / "log.csv").read_text().split() == ["0,row", "1,row"]
 
 
+@pytest.mark.ddp
 def test_r15_one_run_directory(tmp_path):
     out, _, _ = _torchrun("R15_run_dir.py", tmp_path)
     assert out.count("RUNDIR:") == 1
     assert len(list((tmp_path / "runs").iterdir())) == 1
 
 
+@pytest.mark.ddp
 def test_r16_loader_factory_evaluates_every_sample(tmp_path):
     out, _, _ = _torchrun("R16_loader_factory.py", tmp_path)
     assert re.findall(r"accuracy \d+/(\d+)", out) == ["33", "33"]
@@ -180,6 +192,7 @@ def test_r17_wrap_between_statements_joined_by_semicolons(tmp_path):
     assert "model = torch.nn.Linear(4, 1)\nmodel = wrap_model(model)\noptimizer =" in script.read_text()
 
 
+@pytest.mark.ddp
 @pytest.mark.parametrize("name", ["R19_timer.py", "R20_timer_deadlock.py"])
 def test_r19_timings_are_per_process_no_collective(name, tmp_path):
     out, _, script = _torchrun(name, tmp_path)
@@ -187,6 +200,7 @@ def test_r19_timings_are_per_process_no_collective(name, tmp_path):
     assert "broadcast_object" not in script.read_text()
 
 
+@pytest.mark.ddp
 def test_r21_second_pass_is_a_no_op(tmp_path):
     script, _ = _migrated("R21_idempotence.py", "ddp", tmp_path)
     again = migrate(script.read_bytes(), "ddp", script.name)
@@ -194,6 +208,7 @@ def test_r21_second_pass_is_a_no_op(tmp_path):
     _ok(_run(script, ranks=2))
 
 
+@pytest.mark.ddp
 def test_r22_data_outside_a_loader_is_reported(tmp_path):
     out, reviews, _ = _torchrun("R22_no_loader.py", tmp_path)
     assert out.split() == ["0", "1"]

@@ -182,19 +182,29 @@ class AmpSetup(Rule):
 
     def _name_the_loss(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
         """`model(x).sum().backward()` -> the loss named and computed under autocast, then
-        its scaled backward (backward itself does not run under autocast)."""
-        backward = updated.body[0].value  # already `scaler.scale(R).backward(...)`
+        its scaled backward (backward itself does not run under autocast). On a line of
+        several statements (`opt.zero_grad(); f(x).backward(); opt.step()`) the line is cut
+        there: what comes before, the autocast block, then the backward and the rest."""
+        at = next(i for i, small in enumerate(updated.body) if m.matches(small, m.Expr(m.Call(
+            func=m.Attribute(value=m.Call(func=m.Attribute(attr=m.Name("scale"))), attr=m.Name("backward"))))))
+        backward = updated.body[at].value  # already `scaler.scale(R).backward(...)`
         scale = backward.func.value
         loss = scale.args[0].value
         name = cst.Name(self.plan.loss_name)
         compute = cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(name)], value=loss)])
         item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
                                           args=[cst.Arg(self.plan.inline[id(original)].deep_clone())]))
-        wrapped = cst.With(items=[item], body=cst.IndentedBlock(body=[compute]), leading_lines=updated.leading_lines)
-        line = updated.with_changes(leading_lines=[], body=[updated.body[0].with_changes(value=backward.with_changes(
-            func=backward.func.with_changes(value=scale.with_changes(args=[scale.args[0].with_changes(
-                value=name)]))))])
-        return cst.FlattenSentinel([wrapped, line])
+        before = list(updated.body[:at])
+        wrapped = cst.With(items=[item], body=cst.IndentedBlock(body=[compute]),
+                           leading_lines=[] if before else updated.leading_lines)
+        rest = [updated.body[at].with_changes(value=backward.with_changes(func=backward.func.with_changes(
+            value=scale.with_changes(args=[scale.args[0].with_changes(value=name)])))), *updated.body[at + 1:]]
+        line = updated.with_changes(leading_lines=[], body=rest)
+        if not before:
+            return cst.FlattenSentinel([wrapped, line])
+        before[-1] = before[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
+        head = cst.SimpleStatementLine(body=before, leading_lines=updated.leading_lines)
+        return cst.FlattenSentinel([head, wrapped, line])
 
     # -- autocast -------------------------------------------------------------------------
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock):
