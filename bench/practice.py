@@ -1,0 +1,562 @@
+"""What `--to ddp` does to real training scripts: the practice corpus (bench/practice_corpus.json),
+each script migrated, run, and classified from what tests/ddp_probe.py recorded.
+
+    python bench/practice.py --python /tmp/venv-tv/bin/python [--at HEAD] [--only NAME[,NAME...]]
+                             [--json OUT] [--md OUT] [--corpus DIR] [--scratch DIR] [--timeout 300] [-v]
+
+The corpus lives OUTSIDE the repository (default /work/practice-corpus/<owner>__<repo>/<path>,
+the files exactly as fetched; the manifest names repository, commit and path of each). For each
+entry, in a scratch copy of its files (the script and the sibling modules it imports):
+
+1. `python -m gpumigrate FILES --to device` and `--to ddp` (FILES: the script and its sibling
+   modules, so a trainer class in solver.py is migrated too); the exit status, the "review by
+   hand" lines, whether every output compiles, and whether a second `--to ddp` changes anything;
+2. the `--to device` output in one process (the baseline: the original `.cuda()` script cannot
+   run on a CPU) and the `--to ddp` output under `torch.distributed.run --standalone
+   --nproc_per_node=2`, both under tests/ddp_probe.py, with OMP_NUM_THREADS=1, a hard timeout,
+   and bench/practice_shim/ on PYTHONPATH (fake datasets, capped loaders and steps: see its
+   docstring), with the interpreter given by --python (one that has torchvision);
+3. a class, from the probe's records of the ddp run:
+   - data-parallel: every optimizer's parameters identical on both ranks at exit, and the
+     training data sharded (a DistributedSampler or the runtime's shard with 2 replicas, the
+     ranks drawing disjoint indices);
+   - sync-only: identical parameters, data not sharded (each rank trains on all of it);
+   - independent: the ranks end with different parameters (silently wrong unless a review item
+     said so: the notes say which);
+   - declined: gpumigrate said it would not make the script data-parallel (the reason quoted);
+   - crash: the migration or the ddp run failed (the notes say whether the device baseline
+     failed too: a crash the original does not have is the bad kind);
+   - no training: gpumigrate found no training (evaluation or helper file).
+
+Manifest fields used besides repo/commit/path/extra_files: `args` (placeholders {text_file} and
+{fake_imagefolder} are filled in), `fake_dirs` ({path: "images" | "imagefolder" | "text" |
+"cora" | "dir"}: data made in the scratch copy before the runs), `pythonpath` (folders of the repository
+to put on PYTHONPATH, as an installed package would be), `cwd` ("script", the default: the
+script's folder, or "root"), `env` (e.g. {"PRACTICE_MAX_BATCHES": "8"} for a script that needs more
+batches than the default cap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.probe_runs import LAUNCH_VARS, kill_tree  # noqa: E402
+
+SHIM = ROOT / "bench" / "practice_shim"
+MANIFEST = ROOT / "bench" / "practice_corpus.json"
+CORPUS = Path("/work/practice-corpus")
+NPROC = 2
+SHIM_ENV = {"PRACTICE_SHIM": "1", "PRACTICE_MAX_BATCHES": "4", "PRACTICE_MAX_STEPS": "40",
+            "PRACTICE_TRAIN_SIZE": "256", "PRACTICE_TEST_SIZE": "64", "MPLBACKEND": "Agg",
+            # old generated protobuf code (tensorboard_logger) fails with today's protobuf otherwise
+            "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+# gpumigrate's words for "this training stays single-process on every rank" (evaluation that is not
+# sharded is not that: the ranks still train data-parallel)
+DECLINED = re.compile(r"training data (NOT sharded|does not come from a DataLoader)|no model is wrapped", re.I)
+REVIEW = re.compile(r":\d+:\d+: GM\d+ review by hand")  # not the summary line's "N to review by hand"
+NO_TRAINING = re.compile(r"no training found", re.I)
+
+
+# ---------------------------------------------------------------- fake data files
+
+def _png(path: Path, size: int, seed: int) -> None:
+    import random
+    import struct
+    import zlib
+    rng = random.Random(seed)
+    raw = b"".join(b"\x00" + bytes(rng.getrandbits(8) for _ in range(size * 3)) for _ in range(size))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+WORDS = ("the of and to in a is that for it as was with be by on not he I this are or his from at which "
+         "but have an they you were her she there one all we their been has when who will more no if out "
+         "so said what up its about into than them can only other new some could time these two may then "
+         "do first any my now such like our over man me even most made after also did many before must "
+         "through back years where much your way well down should because each just those people").split()
+
+
+def make_fake(kind: str, path: Path) -> None:
+    """Data files of a generic kind, deterministic, small."""
+    import random
+    rng = random.Random(0)
+    if kind == "images":
+        for i in range(16):
+            _png(path / f"img{i}.png", 96, i)
+    elif kind == "imagefolder":
+        for split in ("train", "val"):
+            for c in range(2):
+                for i in range(8):
+                    _png(path / split / f"class{c}" / f"{i}.png", 64, hash((split, c, i)) & 0xFFFF)
+    elif kind == "text":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 14))).capitalize() + "."
+                 for _ in range(300)]
+        path.write_text("\n".join(lines) + "\n")
+    elif kind == "cora":  # Planetoid's cora.content / cora.cites layout, as many papers as Cora (2708)
+        path.mkdir(parents=True, exist_ok=True)
+        labels = ["Case_Based", "Genetic_Algorithms", "Neural_Networks", "Probabilistic_Methods",
+                  "Reinforcement_Learning", "Rule_Learning", "Theory"]
+        ids = [1000 + 7 * i for i in range(2708)]
+        path.joinpath("cora.content").write_text("".join(
+            f"{p}\t" + "\t".join(str(int(rng.random() < 0.05)) for _ in range(64)) + f"\t{rng.choice(labels)}\n"
+            for p in ids))
+        path.joinpath("cora.cites").write_text("".join(f"{rng.choice(ids)}\t{rng.choice(ids)}\n" for _ in range(5429)))
+    elif kind == "dir":  # an empty folder the script expects to exist (a repository's placeholder)
+        path.mkdir(parents=True, exist_ok=True)
+    else:
+        raise SystemExit(f"unknown fake_dirs kind {kind!r}")
+
+
+# ---------------------------------------------------------------- one entry
+
+def corpus_dir(entry: dict, corpus: Path) -> Path:
+    return corpus / entry["repo"].replace("/", "__")
+
+
+def copy_files(entry: dict, corpus: Path, dest: Path) -> None:
+    src = corpus_dir(entry, corpus)
+    for rel in [entry["path"], *entry.get("extra_files", [])]:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, target)
+
+
+def py_files(entry: dict) -> List[str]:
+    return [entry["path"], *[f for f in entry.get("extra_files", []) if f.endswith(".py")]]
+
+
+def migrate(tool_python: str, folder: Path, files: List[str], target: str, gm_root: Path) -> dict:
+    cmd = [tool_python, "-m", "gpumigrate", *files, "--to", target, "--no-cache"]
+    start = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = str(gm_root)
+    proc = subprocess.run(cmd, cwd=str(folder), capture_output=True, text=True, timeout=600, env=env)
+    review = [line for line in proc.stderr.splitlines() if REVIEW.search(line)]
+    errors = [line for line in proc.stderr.splitlines()
+              if re.search(r": (cannot parse|internal error|error)", line) and "review by hand" not in line]
+    compiles, compile_errors = True, []
+    for rel in files:
+        try:
+            compile((folder / rel).read_bytes(), rel, "exec")
+        except SyntaxError as exc:
+            compiles = False
+            compile_errors.append(f"{rel}:{exc.lineno}: {exc.msg}")
+    summary = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    return {"target": target, "exit": proc.returncode, "review": review, "errors": errors, "compiles": compiles,
+            "compile_errors": compile_errors, "summary": summary, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def snapshot(folder: Path, files: List[str]) -> Dict[str, bytes]:
+    return {rel: (folder / rel).read_bytes() for rel in files}
+
+
+def run_env(work: Path, entry: dict, root: Path, gm_root: Path) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_", "PYTHON"))}
+    paths = [str(SHIM), str(gm_root), *[str(root / p) for p in entry.get("pythonpath", [])]]
+    env.update(SHIM_ENV, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths), TMPDIR=str(work / "tmp"),
+               PYTHONHASHSEED="0", HOME=str(work / "home"))
+    env.update(entry.get("env", {}))
+    (work / "tmp").mkdir(parents=True, exist_ok=True)
+    (work / "home").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def launch(python: str, root: Path, entry: dict, args: List[str], nproc: int, timeout: float, gm_root: Path) -> dict:
+    script = root / entry["path"]
+    cwd = root if entry.get("cwd") == "root" else script.parent
+    out = root / "_probe"
+    launcher = [python] if nproc == 1 else [python, "-m", "torch.distributed.run", "--standalone",
+                                            f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, str(gm_root / "tests" / "ddp_probe.py"), str(out), str(script), *args]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=str(cwd), env=run_env(root, entry, root, gm_root), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        code: Optional[int] = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", "(output lost: a process survived the kill)"
+        code = None
+    ranks = {}
+    for report in sorted(out.glob("rank*.json")):
+        data = json.loads(report.read_text())
+        ranks[data["rank"]] = data
+    errors = {r: rep["error"] for r, rep in ranks.items() if rep.get("error")}
+    ok = code == 0 and sorted(ranks) == list(range(nproc)) and not errors
+    shim = sorted(set(re.findall(r"\[practice-shim\] ([^\n]*)", stderr)))
+    return {"nproc": nproc, "cmd": cmd, "returncode": code, "timed_out": code is None, "ok": ok,
+            "seconds": round(time.perf_counter() - start, 1), "ranks": ranks, "out": str(out),
+            "error": _error_line(code, ranks, stderr, timeout), "stderr_tail": stderr[-4000:], "shim": shim,
+            "stopped_by_step_cap": "PRACTICE_MAX_STEPS" in stderr}
+
+
+def _error_line(code, ranks, stderr, timeout) -> Optional[str]:
+    if code is None:
+        return f"timed out after {timeout:.0f} s"
+    secondary = re.compile(r"Connection closed by peer|Connection reset|rank \d+ failed|stopping rank")
+    # the root cause first: a rank's own error before another rank's "the peer went away"
+    def order(item):
+        return bool(secondary.search(str((item[1].get("error") or {}).get("message")))), item[0]
+
+    for r, rep in sorted(ranks.items(), key=order):
+        err = rep.get("error")
+        if err:
+            tb = err.get("traceback", "")
+            where = re.findall(r'File "([^"]+)", line (\d+)', tb)
+            loc = f" at {Path(where[-1][0]).name}:{where[-1][1]}" if where else ""
+            return f"rank {r}: {err['type']}: {err['message'][:300]}{loc}"
+    if code != 0:
+        lines = [ln for ln in stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
+        return f"exit {code}: " + (lines[-1][:300] if lines else "(no output)")
+    if not ranks:
+        return "no probe report"
+    return None
+
+
+# ---------------------------------------------------------------- classification
+
+def _load_vec(out: str, name: str):
+    import torch
+    return torch.load(Path(out) / name)
+
+
+def compare_optimizers(run: dict) -> dict:
+    import torch
+    r0, r1 = run["ranks"].get(0, {}), run["ranks"].get(1, {})
+    o0, o1 = r0.get("optimizers", []), r1.get("optimizers", [])
+    result = {"count": len(o0), "steps": [o["steps"] for o in o0],
+              "changed": [o["steps_that_changed_parameters"] for o in o0],
+              "identical": [], "max_abs_diff": [], "moved": []}
+    if len(o0) != len(o1):
+        result["mismatch"] = f"rank 0 built {len(o0)} optimizers, rank 1 {len(o1)}"
+        return result
+    for a, b in zip(o0, o1):
+        va, vb = _load_vec(run["out"], a["vector"]), _load_vec(run["out"], b["vector"])
+        if va.shape != vb.shape:
+            result["identical"].append(False)
+            result["max_abs_diff"].append(None)
+        else:
+            result["identical"].append(bool(torch.equal(va, vb)))
+            result["max_abs_diff"].append(float((va - vb).abs().max()) if va.numel() else 0.0)
+        init = _load_vec(run["out"], a["initial"])
+        result["moved"].append(bool(init.shape != va.shape or not torch.equal(init, va)))
+    return result
+
+
+def sharding(run: dict) -> dict:
+    """The training sampler of the ddp run: the one that drew most indices on rank 0, first epoch."""
+    r0, r1 = run["ranks"].get(0, {}), run["ranks"].get(1, {})
+    first = lambda rep: {s["sampler"]: s for s in rep.get("samplers", []) if s.get("call") == 0}  # noqa: E731
+    s0, s1 = first(r0), first(r1)
+    if not s0:
+        return {"sharded": False, "why": "no sampler recorded (no DataLoader with a sampler the probe sees)"}
+    best = max(s0.values(), key=lambda s: len(s["indices"]))
+    other = s1.get(best["sampler"])
+    info = {"kind": best["kind"], "dataset_len": best.get("dataset_len"), "drawn": [len(best["indices"])]}
+    replicas = best.get("num_replicas") or best.get("step") or 1
+    info["replicas"] = replicas
+    if other is None:
+        info.update(sharded=False, why="rank 1 has no matching sampler")
+        return info
+    a, b = set(best["indices"]), set(other["indices"])
+    info["drawn"].append(len(other["indices"]))
+    info["overlap"] = len(a & b)
+    sharded = (best["kind"] in ("DistributedSampler", "_Shard") and replicas == NPROC
+               and len(a & b) <= max(1, len(a) // 50))
+    info["sharded"] = bool(sharded and a and b)
+    info["why"] = (f"{best['kind']}, {replicas} replica(s), ranks drew {len(a)} and {len(b)} of "
+                   f"{best.get('dataset_len')} (overlap {len(a & b)})")
+    return info
+
+
+def classify(rec: dict) -> None:
+    dev, ddp, mig = rec.get("device_run"), rec.get("ddp_run"), rec["migrate_ddp"]
+    review = " | ".join(mig["review"])
+    base_ok = bool(dev and dev["ok"])
+    base_note = "the device baseline runs" if base_ok else f"the device baseline fails too ({dev['error'] if dev else 'not run'})"
+    own = [line for line in mig["review"] if line.startswith(rec["path"] + ":")]  # the script's, not a sibling's
+    said_no_training = bool(NO_TRAINING.search(" | ".join(own)))
+    if mig["exit"] != 0 or not mig["compiles"]:
+        rec["outcome"] = "crash"
+        rec["reason"] = f"migration failed: exit {mig['exit']}; {'; '.join(mig['errors'] + mig['compile_errors'])[:400]}"
+        return
+    opt = compare_optimizers(ddp) if ddp and ddp["ranks"] else {"count": 0, "steps": []}
+    rec["optimizers"] = opt
+    stepped = bool(opt["count"]) and any(opt["steps"])
+    base_stepped = any(o["steps"] for o in (dev or {}).get("ranks", {}).get(0, {}).get("optimizers") or [])
+    prefix = ("gpumigrate said \"no training found\" (so: device changes only) but the script trains "
+              "(in a sibling module?); ") if said_no_training else ""
+    sibling_trains = said_no_training and _siblings_train(rec)
+    if said_no_training and not stepped and not base_stepped and not sibling_trains:
+        rec["outcome"] = "no training"
+        rec["reason"] = "gpumigrate found no training"
+        if ddp and not ddp["ok"]:
+            rec["reason"] += (f"; unverified: the run fails before any optimizer step ({ddp['error']})"
+                              + ("" if base_ok else "; so does the device baseline"))
+        return
+    if ddp is None or not ddp["ok"]:
+        rec["outcome"] = "crash"
+        rec["reason"] = f"{prefix}{ddp['error'] if ddp else 'not run'}; {base_note}"
+        rec["crash_kind"] = "baseline fails too" if not base_ok else "only under ddp"
+        if not base_ok and dev and ddp and _same_failure(dev, ddp):
+            rec["crash_kind"] = "same failure as the baseline"
+        return
+    rec["sharding"] = sharding(ddp)
+    declined = [line for line in mig["review"] if DECLINED.search(line)]
+    flagged = [line for line in mig["review"] if re.search(r"optimizer|wrap|shard|sampler", line, re.I)]
+    if opt.get("mismatch"):
+        rec["outcome"], rec["reason"] = "independent", prefix + opt["mismatch"]
+    elif not stepped:
+        rec["outcome"] = "no training"
+        rec["reason"] = "the run ended without an optimizer step" + ("" if opt["count"] else " (no optimizer built)")
+    elif all(opt["identical"]):
+        if declined:
+            rec["outcome"], rec["reason"] = "declined", _short(declined[0])
+        elif rec["sharding"]["sharded"]:
+            rec["outcome"], rec["reason"] = "data-parallel", rec["sharding"]["why"]
+        else:
+            rec["outcome"], rec["reason"] = "sync-only", prefix + rec["sharding"]["why"]
+    else:
+        diff = [i for i, same in enumerate(opt["identical"]) if not same]
+        known = [d for d in opt["max_abs_diff"] if d is not None]
+        if declined:
+            said = "; review said so: " + _short(declined[0])
+        elif flagged:
+            said = "; no review item says the ranks train apart; nearest: " + _short(flagged[0])
+        else:
+            said = "; NO review item says so"
+        rec["outcome"] = "declined" if declined else "independent"
+        rec["reason"] = (prefix + f"optimizer(s) {diff} of {opt['count']} differ across ranks (max |diff| "
+                         f"{max(known) if known else 'shape'})" + said)
+    if not base_ok:
+        rec["reason"] += f"; {base_note}"
+
+
+def _siblings_train(rec: dict) -> bool:
+    """A sibling module the script imports has `.backward(` or `.step(` (a trainer class)."""
+    root = Path(rec["device_run"]["out"]).parent if rec.get("device_run") else None
+    for rel in rec.get("extra_files", []):
+        path = root / rel if root else None
+        if (path and path.suffix == ".py" and path.exists()
+                and re.search(r"\.backward\(|\.step\(", path.read_text(errors="replace"))):
+            return True
+    return False
+
+
+def _same_failure(dev: dict, ddp: dict) -> bool:
+    e1, e2 = dev.get("error") or "", ddp.get("error") or ""
+    strip = lambda e: re.sub(r" at [^ ]+:\d+$", "", re.sub(r"^rank \d+: ", "", e))[:120]  # noqa: E731
+    return strip(e1) == strip(e2)
+
+
+def _short(line: str) -> str:
+    return re.sub(r"^.*?review by hand: ", "", line)[:300]
+
+
+def _read_ranks(run: Optional[dict]) -> None:
+    if run:
+        run["ranks"] = {}
+        for report in sorted(Path(run["out"]).glob("rank*.json")):
+            data = json.loads(report.read_text())
+            run["ranks"][data["rank"]] = data
+
+
+def _slim(rec: dict) -> None:
+    """Keep the JSON readable: the probe's own reports stay in the scratch folder."""
+    for key in ("device_run", "ddp_run"):
+        run = rec.get(key)
+        if run:
+            run["ranks"] = {r: {k: rep.get(k) for k in ("error", "exit_code", "seconds", "optimizers", "wrap_calls")}
+                            | {"samplers": [{k: v for k, v in s.items() if k != "indices"} | {"drawn": len(s["indices"])}
+                                            for s in rep.get("samplers", [])]}
+                            for r, rep in run["ranks"].items()}
+
+
+def reclassify(rec: dict) -> dict:
+    """Classify again from the probe reports a previous run left in the scratch folder."""
+    for target in ("device", "ddp"):
+        rec[f"migrate_{target}"]["review"] = [ln for ln in rec[f"migrate_{target}"]["review"] if REVIEW.search(ln)]
+    for key in ("device_run", "ddp_run"):
+        run = rec.get(key)
+        _read_ranks(run)
+        if run:
+            run["error"] = _error_line(run["returncode"], run["ranks"], run.get("stderr_tail", ""), 300)
+    for key in ("outcome", "reason", "crash_kind", "optimizers", "sharding"):
+        rec.pop(key, None)
+    classify(rec)
+    _slim(rec)
+    return rec
+
+
+def run_entry(entry: dict, args, corpus: Path, scratch: Path) -> dict:
+    name = entry["name"]
+    start = time.perf_counter()
+    base = scratch / name
+    if base.exists():
+        shutil.rmtree(base)
+    rec = {"name": name, "repo": entry["repo"], "path": entry["path"], "kind": entry.get("kind", ""),
+           "extra_files": entry.get("extra_files", [])}
+    files = py_files(entry)
+    folders = {}
+    for target in ("device", "ddp"):
+        folder = base / target
+        copy_files(entry, corpus, folder)
+        rec[f"migrate_{target}"] = migrate(args.tool_python, folder, files, target, args.gm_root)
+        folders[target] = folder
+    # idempotence: migrate the ddp output again
+    again = base / "ddp-again"
+    shutil.copytree(folders["ddp"], again)
+    before = snapshot(again, files)
+    second = migrate(args.tool_python, again, files, "ddp", args.gm_root)
+    rec["idempotent"] = snapshot(again, files) == before and second["exit"] == 0
+    shutil.rmtree(again)
+    # data, placeholders
+    run_args = []
+    for folder in folders.values():
+        for rel, kind in entry.get("fake_dirs", {}).items():
+            make_fake(kind, folder / rel)
+        make_fake("text", folder / "_practice" / "fake.txt")
+    for a in entry.get("args", []):
+        a = a.replace("{text_file}", "_practice_text.txt")
+        a = a.replace("{fake_imagefolder}", "_practice_imagenet")  # a missing folder: the shim fakes it
+        run_args.append(a)
+    for folder in folders.values():  # the text file beside the script (cwd)
+        cwd = folder if entry.get("cwd") == "root" else (folder / entry["path"]).parent
+        shutil.copy(folder / "_practice" / "fake.txt", cwd / "_practice_text.txt")
+    rec["args"] = run_args
+    rec["device_run"] = launch(args.python, folders["device"], entry, run_args, 1, args.timeout, args.gm_root)
+    if rec["migrate_ddp"]["exit"] == 0 and rec["migrate_ddp"]["compiles"]:
+        rec["ddp_run"] = launch(args.python, folders["ddp"], entry, run_args, NPROC, args.timeout, args.gm_root)
+    else:
+        rec["ddp_run"] = None
+    classify(rec)
+    rec["seconds"] = round(time.perf_counter() - start, 1)
+    _slim(rec)
+    return rec
+
+
+# ---------------------------------------------------------------- output
+
+OUTCOMES = ("data-parallel", "sync-only", "independent", "declined", "crash", "no training")
+
+
+def markdown(records: List[dict], header: str) -> str:
+    lines = [header, "", "| # | script | kind | review | idem | device baseline | ddp outcome | reason / notes | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, rec in enumerate(records, 1):
+        dev = rec.get("device_run")
+        base = "ok" if dev and dev["ok"] else f"FAILS: {(dev or {}).get('error') or 'not run'}"
+        cap = " (step cap)" if dev and dev.get("stopped_by_step_cap") else ""
+        outcome = rec["outcome"] + (f" ({rec['crash_kind']})" if rec.get("crash_kind") else "")
+        cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines.append(f"| {i} | `{rec['name']}` ({rec['repo']}: {rec['path']}) | {cell(rec['kind'])} | "
+                     f"{len(rec['migrate_ddp']['review'])} | {'yes' if rec['idempotent'] else '**no**'} | "
+                     f"{cell(base[:160])}{cap} | **{outcome}** | {cell(rec['reason'][:400])} | {rec['seconds']:.0f} |")
+    counts = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}
+    lines += ["", "Totals: " + ", ".join(f"{o} {n}" for o, n in counts.items()) + f" ({len(records)} scripts)"]
+    crashes = [r for r in records if r["outcome"] == "crash"]
+    lines.append(f"Crashes: {sum(r.get('crash_kind') == 'only under ddp' for r in crashes)} only under ddp (the "
+                 f"device baseline runs), {sum(r.get('crash_kind') != 'only under ddp' for r in crashes)} where the "
+                 f"baseline fails too.")
+    lines.append(f"Device baseline runs: {sum(bool(r.get('device_run') and r['device_run']['ok']) for r in records)}"
+                 f"/{len(records)}. Not idempotent: {sum(not r['idempotent'] for r in records)}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", default=sys.executable,
+                        help="interpreter for the runs (needs torch, torchvision, gpumigrate)")
+    parser.add_argument("--tool-python", default=sys.executable, help="interpreter that runs gpumigrate")
+    parser.add_argument("--manifest", type=Path, default=MANIFEST)
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--scratch", type=Path, default=Path("/tmp/practice-scratch"))
+    parser.add_argument("--only", default="", help="comma-separated entry names")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--md", type=Path)
+    parser.add_argument("--at", metavar="REV", help="use gpumigrate (tool, runtime, probe) as committed at REV "
+                        "(`git archive` into the scratch folder), not this work tree with its uncommitted edits")
+    parser.add_argument("--reclassify", type=Path, metavar="JSON",
+                        help="no runs: classify again the records of JSON from the probe reports in the scratch folder")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.reclassify:
+        data = json.loads(args.reclassify.read_text())
+        manifest = {e["name"]: e for e in json.loads(args.manifest.read_text())}
+        for rec in data["records"]:
+            rec.setdefault("extra_files", manifest.get(rec["name"], {}).get("extra_files", []))
+        records = [reclassify(rec) for rec in data["records"]]
+        text = markdown(records, f"gpumigrate at `{data['commit']}`; runs with {args.python}")
+        print(text)
+        if args.md:
+            args.md.write_text(text)
+        if args.json:
+            args.json.write_text(json.dumps({"commit": data["commit"], "records": records}, indent=1, default=str))
+        return 0
+    args.gm_root = ROOT
+    if args.at:
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.at], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        args.gm_root = args.scratch / f"gpumigrate-{sha[:10]}"
+        if not args.gm_root.exists():
+            args.gm_root.mkdir(parents=True)
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha], capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(args.gm_root)], input=archive, check=True)
+    entries = json.loads(args.manifest.read_text())
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {e["name"] for e in entries}
+        if unknown:
+            parser.error(f"no such entries: {', '.join(sorted(unknown))}")
+        entries = [e for e in entries if e["name"] in wanted]
+    missing = [e["name"] for e in entries if not (corpus_dir(e, args.corpus) / e["path"]).exists()]
+    if missing:
+        parser.error(f"not in {args.corpus}: {', '.join(missing)} (fetch the corpus first: see the manifest)")
+    commit = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s", args.at or "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    if not args.at and subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                      capture_output=True, text=True).stdout.strip():
+        commit += " + uncommitted edits of the work tree"
+    records = []
+    for entry in entries:
+        rec = run_entry(entry, args, args.corpus, args.scratch)
+        records.append(rec)
+        print(f"{rec['name']:28} {rec['outcome']:14} {rec['seconds']:6.1f}s  {rec['reason'][:150]}", flush=True)
+        if args.verbose and rec.get("ddp_run") and not rec["ddp_run"]["ok"]:
+            print(rec["ddp_run"]["stderr_tail"][-2000:])
+        if args.json:  # as it goes: a long run leaves what it has
+            args.json.write_text(json.dumps({"commit": commit, "records": records}, indent=1, default=str))
+    text = markdown(records, f"gpumigrate at `{commit}`; runs with {args.python}")
+    print(text)
+    if args.md:
+        args.md.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
