@@ -1,9 +1,11 @@
 """Helpers that scripts rewritten by gpumigrate import. A public API: keep names stable.
 
 Depends on torch only. Importing this module has no side effects and no cost beyond torch;
-nothing here adds a synchronisation per training step.
+the only communication per training step is the gradient averaging data parallelism needs
+(DDP's for `wrap_model` models, `setup_distributed`'s for the others: see averaging.py).
 """
 
+from gpumigrate.runtime.averaging import average_gradients
 from gpumigrate.runtime.device import get_device, tensor_type
 from gpumigrate.runtime.distributed import (
     barrier,
@@ -18,6 +20,7 @@ from gpumigrate.runtime.distributed import (
     set_epoch,
     setup_distributed,
     shard_length,
+    shard_loader,
     unwrap_model,
     without_module_prefix,
     wrap_model,
@@ -34,6 +37,7 @@ from gpumigrate.runtime.precision import (
 __all__ = [
     "amp_dtype",
     "autocast",
+    "average_gradients",
     "barrier",
     "broadcast_object",
     "cleanup_distributed",
@@ -51,6 +55,7 @@ __all__ = [
     "set_epoch",
     "setup_distributed",
     "shard_length",
+    "shard_loader",
     "tensor_type",
     "unwrap_model",
     "without_module_prefix",

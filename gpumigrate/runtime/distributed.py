@@ -2,8 +2,9 @@
 
 Every helper is a no-op (or the plain single-process behaviour) when the script was not
 launched by torchrun or srun, so a rewritten script runs unchanged as `python train.py`.
-None adds a synchronisation per training step; only `reduce_sum`/`reduce_mean`/`barrier`/
-`broadcast_object` communicate, and only when called.
+Per training step only the gradients are averaged (by DDP, or by the optimizer hooks that
+`setup_distributed` installs for models DDP does not wrap: see averaging.py); otherwise only
+`reduce_sum`/`reduce_mean`/`barrier`/`broadcast_object` communicate, and only when called.
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ import pickle
 import sys
 import threading
 import time
+import warnings
 from types import TracebackType
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, RandomSampler, Sampler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
+                              SequentialSampler)
 from torch.utils.data.distributed import DistributedSampler
 
+from gpumigrate.runtime.averaging import _install_averaging, _note_wrapped, _uninstall_averaging
 from gpumigrate.runtime.device import get_device
 
 
@@ -68,7 +72,8 @@ def is_distributed() -> bool:
 _cleanup_registered = False  # cleanup_distributed is registered with atexit
 
 
-def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = None) -> torch.device:
+def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = None, *,
+                      average_unwrapped: bool = True) -> torch.device:
     """Join the process group if launched by torchrun (any --nnodes) or srun; return this
     process's device.
 
@@ -84,6 +89,13 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
     A rank that fails never leaves the others waiting for it: when its script raises, the
     other ranks stop within seconds, and it exits within `GPUMIGRATE_DIST_TIMEOUT` seconds
     (default 60) even if threads of its own would keep it alive (see `_Watch`).
+
+    Models not given to `wrap_model` still train as one (`average_unwrapped`, see
+    gpumigrate/runtime/averaging.py): every optimizer's parameters start from rank 0's values,
+    and the gradients DDP does not average are averaged across ranks at the optimizer's step,
+    before GradScaler's inf check and before `clip_grad_norm_`/`clip_grad_value_`; the
+    BatchNorm statistics of those models are averaged with them. Every rank must then make and
+    step the same optimizers. `average_unwrapped=False` leaves such models to each rank.
     """
     launch = _launch()
     if launch is None or launch.world_size == 1 or multiprocessing.parent_process() is not None:
@@ -106,6 +118,8 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
         atexit.register(cleanup_distributed)
         _cleanup_registered = True
     _watch_for_failures(timeout)
+    if average_unwrapped:
+        _install_averaging()
     return device
 
 
@@ -116,7 +130,9 @@ def cleanup_distributed() -> None:
     `GPUMIGRATE_DIST_TIMEOUT` seconds: if `destroy_process_group()` blocks (NCCL with pending
     work, a peer gone), the process ends with status 1 and one line on stderr. Then waits
     (milliseconds) until torch's gloo threads have let go of the tensors of the last
-    collectives, so that the process can exit cleanly: see `_settle_gloo_threads`."""
+    collectives, so that the process can exit cleanly: see `_settle_gloo_threads`. The
+    gradient averaging of `setup_distributed` is removed first."""
+    _uninstall_averaging()
     watch = _watch
     if watch is not None and watch.thread.is_alive() and threading.current_thread() is not watch.thread:
         watch.leave()
@@ -439,7 +455,10 @@ def wrap_model(
     devices (model parallelism) or on the CPU is wrapped without it. `sync_batchnorm`
     converts BatchNorm layers to SyncBatchNorm (worth it for small per-GPU batches).
     """
-    if not is_distributed() or isinstance(model, nn.parallel.DistributedDataParallel):
+    if not is_distributed():
+        return model
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        _note_wrapped(model)  # its gradients are averaged: the optimizer hooks leave them
         return model
     if not any(p.requires_grad for p in model.parameters()):
         return model  # nothing to synchronise (DDP refuses such a module)
@@ -454,9 +473,11 @@ def wrap_model(
         (only,) = devices
         if only.type == "cuda":
             device_ids = [only.index]
-    return nn.parallel.DistributedDataParallel(
+    wrapped = nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, find_unused_parameters=find_unused_parameters
     )
+    _note_wrapped(wrapped)
+    return wrapped
 
 
 class _BatchNormAnyDim(nn.modules.batchnorm._BatchNorm):
@@ -539,10 +560,12 @@ def distributed_sampler(
     """The sampler a DataLoader needs to give each rank its own part of `dataset`.
 
     Training (`pad=True`): a DistributedSampler, which pads so every rank runs the same
-    number of steps (call `set_epoch` each epoch for a new order; its order follows `seed`,
-    the same on every rank, not `torch.manual_seed`). Evaluation (`pad=False`): a plain,
-    unshuffled shard, so no sample is counted twice; shards differ in size by at most one,
-    so sum the metrics with `reduce_sum` (a `reduce_mean` of per-rank means is biased).
+    number of steps, with a new order each epoch (its order follows `seed`, the same on every
+    rank, not `torch.manual_seed`): `set_epoch(loader, epoch)` sets the epoch, and an
+    iteration over the loader that no `set_epoch` preceded starts the next one by itself.
+    Evaluation (`pad=False`): a plain, unshuffled shard, so no sample is counted twice;
+    shards differ in size by at most one, so sum the metrics with `reduce_sum` (a
+    `reduce_mean` of per-rank means is biased).
     `shard=False`: every rank takes the whole dataset (a loader factory's evaluation loader
     whose metrics are not sums). In one process, or unsharded: what `DataLoader(shuffle=...)`
     would use, so results do not change.
@@ -551,7 +574,96 @@ def distributed_sampler(
         return RandomSampler(dataset) if shuffle else None
     if not pad:
         return _Shard(dataset, get_rank(), get_world_size())
-    return DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return _EpochSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+class _EpochSampler(DistributedSampler):
+    """A DistributedSampler with a new order at each pass, also where no `set_epoch` is called
+    (the epoch loop of a loader built elsewhere is not known): an iteration that no
+    `set_epoch()` preceded takes the epoch after the previous iteration's. With `set_epoch`
+    before every epoch, exactly a DistributedSampler."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._passes = 0
+        self._epoch_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_set = True
+
+    def __iter__(self) -> Iterator[int]:
+        if self._passes and not self._epoch_set:
+            self.epoch += 1
+        self._passes += 1
+        self._epoch_set = False
+        return super().__iter__()
+
+
+def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True) -> Any:
+    """`loader` (a DataLoader built anywhere: a factory in another module) giving this rank
+    its own part of the data each epoch; in one process, `loader` itself.
+
+    The new loader keeps everything else `loader` had (batch size, drop_last, workers,
+    collate_fn, pin_memory, timeout, worker_init_fn, generator, persistent workers, prefetch
+    factor, multiprocessing context). Its sampler is a DistributedSampler that shuffles if
+    `loader` did (RandomSampler) and not if it read in order (SequentialSampler), and takes a
+    new order at each pass over the loader unless `set_epoch` set the epoch (see
+    `distributed_sampler`; `seed` is the same on every rank). `pad=False` (evaluation): every
+    sample once, in order, shards differing in size by at most one.
+
+    What cannot be sharded safely is returned unchanged with one warning naming why (every
+    rank then reads all of it): an IterableDataset, a custom sampler or batch_sampler, a
+    RandomSampler drawing with replacement or a number of samples, a DataLoader subclass. A
+    loader already sharded (a DistributedSampler) is returned as it is.
+    """
+    if not is_distributed():
+        return loader
+    batches = getattr(loader, "batch_sampler", None)
+    sampler = batches.sampler if type(batches) is BatchSampler else getattr(loader, "sampler", None)
+    if isinstance(sampler, (DistributedSampler, _Shard)):
+        return loader
+    why = _why_not_sharded(loader, batches, sampler)
+    if why:
+        if is_main_process():
+            warnings.warn(f"gpumigrate.runtime: shard_loader: {why}; every rank reads all of it", RuntimeWarning,
+                          stacklevel=2)
+        return loader
+    dataset = loader.dataset
+    if pad:
+        sampler = _EpochSampler(dataset, num_replicas=get_world_size(), rank=get_rank(),
+                                shuffle=isinstance(sampler, RandomSampler), seed=seed)
+    else:
+        sampler = _Shard(dataset, get_rank(), get_world_size())
+    batch_size, drop_last = (batches.batch_size, batches.drop_last) if batches is not None else (None, False)
+    options = {}
+    for name in ("pin_memory_device", "in_order"):  # keyword-only, in newer torch
+        if hasattr(loader, name):
+            options[name] = getattr(loader, name)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers, **options,
+    )
+
+
+def _why_not_sharded(loader: Any, batches: Any, sampler: Any) -> Optional[str]:
+    """Why shard_loader cannot rebuild `loader` for one rank, or None."""
+    if not isinstance(loader, DataLoader):
+        return f"{type(loader).__name__} is not a torch DataLoader"
+    if type(loader) is not DataLoader:
+        return f"a DataLoader subclass ({type(loader).__name__}) may build its own sampling"
+    if isinstance(loader.dataset, IterableDataset):
+        return "an IterableDataset must split its stream per rank itself"
+    if batches is not None and type(batches) is not BatchSampler:
+        return f"custom batch_sampler ({type(batches).__name__})"
+    if type(sampler) not in (RandomSampler, SequentialSampler):
+        return f"custom sampler ({type(sampler).__name__})"
+    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(loader.dataset)):
+        return "a RandomSampler with replacement or num_samples"
+    return None
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
