@@ -223,15 +223,12 @@ P01 = "P01_wrap_after_training.py"
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P01: a model made in `__main__` and trained by a function is wrapped after training "
-      "(`net = wrap_model(net)` appended at module level), so the ranks train apart")
 def test_p01_ranks_train_one_model(tmp_path):
     script, _ = _migrated(P01, "ddp", tmp_path)
     _assert_identical_weights(_torchrun(script, tmp_path / "run"))
 
 
 @pytest.mark.e2e
-@todo("P01: the wrap appended at module level raises NameError on import")
 def test_p01_importing_the_migrated_module_works(tmp_path):
     script, _ = _migrated(P01, "ddp", tmp_path)
     _ok(_run(script, code=f"import {script.stem}; print('imported')"))
@@ -243,7 +240,6 @@ P02 = "P02_global_model_wrap_nameerror.py"
 
 
 @pytest.mark.e2e
-@todo("P02: the wrap of a `global model` assigned in main() is placed at module level: NameError at import")
 def test_p02_runs_in_one_process(tmp_path):
     script, _ = _migrated(P02, "ddp", tmp_path)
     assert [line.split()[0] for line in _ok(_run(script)).splitlines()] == ["0", "1"]
@@ -251,7 +247,6 @@ def test_p02_runs_in_one_process(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P02: the wrap of a `global model` belongs inside main(), after the move")
 def test_p02_ranks_train_one_model(tmp_path):
     script, _ = _migrated(P02, "ddp", tmp_path)
     run = _torchrun(script, tmp_path / "run")
@@ -342,8 +337,6 @@ print("binary_cross_entropy calls:", len(calls))
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])  # fp16: what CUDA's autocast uses
-@todo("P05: `sigmoid` + `nn.BCELoss` are put under autocast: binary_cross_entropy gets a reduced-precision "
-      "input (CUDA raises at step 1)")
 def test_p05_binary_cross_entropy_never_sees_reduced_precision(precision, tmp_path):
     script, _ = _migrated(P05, "amp", tmp_path)
     wrapper = tmp_path / "bce_wrapper.py"
@@ -359,8 +352,6 @@ P06 = "P06_optimizer_from_helper"
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P06: an optimizer from a helper module (`set_optimizer(opt, model)`): the data is not sharded "
-      "and the report says both 'wrapped' and 'NOT sharded'")
 def test_p06_data_parallel_and_one_consistent_report(tmp_path):
     project, report = _migrated_project(P06, "ddp", tmp_path)
     run = _torchrun(project / "train.py", tmp_path / "run", project=True)
@@ -377,8 +368,6 @@ P07 = "P07_gradient_penalty.py"
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P07: a gradient penalty (double backward) makes --to ddp decline: every rank trains its own "
-      "critic and generator; needed: gradients averaged at each optimizer step, data sharded")
 def test_p07_gradient_penalty_trains_data_parallel(tmp_path):
     script, result = _migrated(P07, "ddp", tmp_path)
     run = _torchrun(script, tmp_path / "run")
@@ -398,7 +387,6 @@ P09 = "P09_loader_from_helper"
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P09: a training loader from `utils.get_training_dataloader()` is not sharded")
 def test_p09_loader_from_a_helper_sharded_per_rank(tmp_path):
     project, _ = _migrated_project(P09, "ddp", tmp_path)
     run = _torchrun(project / "train.py", tmp_path / "run", project=True)
@@ -443,8 +431,6 @@ P11 = "P11_guarded_gpu_index.py"
 
 
 @pytest.mark.e2e
-@todo("P11: `.cuda(gpu)` calls leave the `if use_cuda:` guard, the definition of `gpu` stays in it: "
-      "NameError without CUDA")
 def test_p11_runs_on_a_machine_without_cuda(tmp_path):
     script, _ = _migrated(P11, "device", tmp_path)
     assert [line.split()[0] for line in _ok(_run(script)).splitlines()] == ["0", "1", "2"]
@@ -489,8 +475,6 @@ print("numpy dtypes:", " ".join(sorted(set(dtypes))))
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])  # bf16: a CPU; fp16: what a GPU gives, silently
-@todo("P12: a value computed under autocast leaves torch through `.numpy()` in reduced precision "
-      "(TypeError for bfloat16)")
 def test_p12_numpy_gets_float32(precision, tmp_path):
     script, _ = _migrated(P12, "amp", tmp_path)
     wrapper = tmp_path / "numpy_wrapper.py"
@@ -578,7 +562,6 @@ print(model(torch.randn(8, 4)).shape)
 '''
 
 
-@todo("also seen: a `.cuda()` guard with a dead `else: pass` is kept (the guard and the dead branch stay)")
 def test_no_dead_else_pass_after_a_cuda_guard():
     text, _ = _static(ELSE_PASS, "device")
     assert "pass" not in text and "else" not in text, text
@@ -608,7 +591,6 @@ for step in range(3):
 '''
 
 
-@todo("also seen: after the apex migration `if fp16:` and `else:` keep identical branches")
 def test_no_identical_branches_after_the_apex_migration():
     text, _ = _static(APEX_FP16_FLAG, "amp")
     same = [ast.unparse(node.test) for node in ast.walk(ast.parse(text)) if isinstance(node, ast.If) and node.orelse

@@ -64,6 +64,8 @@ _EVAL_NAME = re.compile(r"^(test|evaluate|evaluation|eval|validate|validation|va
                         r"(_.*)?$|^(evaluate|validate|predict|infer|test)")
 _TRAIN_NAME = re.compile(r"train", re.I)
 _MODEL_NAME = re.compile(r"model|net$|^net|encoder|decoder|generator|discriminator|classifier|backbone", re.I)
+_BUILTIN_ITERABLES = frozenset({"iter", "range", "enumerate", "zip", "list", "tuple", "sorted", "reversed",
+                                "map", "filter", "dict", "set", "open"})
 _EVAL_LOADER_NAME = re.compile(r"(test|val|eval|dev)", re.I)
 
 
@@ -638,7 +640,7 @@ class ScriptModel:
             return []
         for loader in loaders.values():
             self._holders(loader)
-        for consumption in self._consumptions():
+        for consumption in self._consumptions_found:
             for origin, via in self.origins(consumption.holder):
                 if id(origin) in loaders:
                     loader = loaders[id(origin)]
@@ -657,6 +659,58 @@ class ScriptModel:
                 elif _EVAL_LOADER_NAME.search(names):
                     loader.roles.add("eval")
         return list(loaders.values())
+
+    @cached_property
+    def foreign_loaders(self) -> List[cst.BaseExpression]:
+        """The training data the migration cannot see being made: what a name (or `self.`
+        attribute) that only training loops consume is bound to, where that is a call of a
+        function of another module (`train_loader = utils.get_loader(...)`) or a parameter
+        no call of this file passes (a loader handed to a class from elsewhere). Each such
+        expression can be rebuilt for the rank where it is bound (the runtime's
+        `shard_loader`, which leaves anything but a DataLoader as it is, and says so)."""
+        by_holder: Dict[Tuple[int, str], List[Consumption]] = {}
+        for consumption in self._consumptions_found:
+            holder = consumption.holder
+            name = dotted(holder) if isinstance(holder, (cst.Name, cst.Attribute)) else None
+            if name is None or (isinstance(holder, cst.Attribute) and not name.startswith("self.")):
+                continue
+            key_scope = self.s.instance_class(holder.value, self.s.scope(holder)) if isinstance(holder, cst.Attribute) \
+                else self.s.lookup(holder.value, self.s.scope(holder))[0]
+            by_holder.setdefault((id(key_scope), name), []).append(consumption)
+        out: List[cst.BaseExpression] = []
+        for consumptions in by_holder.values():
+            if not all(c.trains for c in consumptions) or any(self.origins(c.holder) for c in consumptions):
+                continue
+            values = self._bound_values(consumptions[0].holder)
+            if values and all(self._foreign(value) for value in values):
+                out.extend(v for v in values if all(v is not o for o in out))
+        return out
+
+    def _bound_values(self, holder: cst.BaseExpression) -> List[cst.BaseExpression]:
+        """What `holder` is assigned (None where one of its bindings is anything else)."""
+        scope = self.s.scope(holder)
+        if isinstance(holder, cst.Attribute):
+            cls = self.s.instance_class(holder.value, scope)
+            bindings = cls.attrs.get(holder.attr.value, []) if cls is not None else []
+        else:
+            bindings = self.s.all_bindings(holder.value, scope)
+        if not bindings or any(b.how != "assign" or not isinstance(b.value, (cst.Call, cst.Name)) for b in bindings):
+            return []
+        return [b.value for b in bindings]
+
+    def _foreign(self, value: cst.BaseExpression) -> bool:
+        """A call of another module's function, or a parameter no call of this file passes."""
+        if isinstance(value, cst.Call):
+            qualified = self.qualify(value.func) or ""
+            return self.s.callee(value) is None and qualified not in v.DATALOADER and \
+                runtime_helper(qualified) is None and not (isinstance(value.func, cst.Name) and
+                                                           value.func.value in _BUILTIN_ITERABLES) and \
+                self.kind(value) in (v.LOADER, v.UNKNOWN, v.OBJECT, v.NEUTRAL)
+        _, bindings = self.s.lookup(value.value, self.s.scope(value))
+        if not bindings or any(b.how != "param" for b in bindings):
+            return False
+        fn = self.s.functions.get(id(bindings[0].scope.node))
+        return fn is not None and not fn.callers
 
     def loader_of(self, call: cst.Call) -> Optional[Loader]:
         return next((l for l in self.loaders if l.call is call), None)
@@ -704,7 +758,8 @@ class ScriptModel:
                     isinstance(r, cst.Name) and r.value == name for r in fn.returns):
                 frontier.extend(fn.callers)
 
-    def _consumptions(self) -> List[Consumption]:
+    @cached_property
+    def _consumptions_found(self) -> List[Consumption]:
         out = []
         for node in self.s.index.order:
             kind = type(node)

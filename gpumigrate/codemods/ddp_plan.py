@@ -251,13 +251,37 @@ class DdpPlan:
                 last = self._in_block(max(later, key=self.s.order), line)
                 return Wrap(model.name, False, last) if last is not None else None
             return Wrap(model.name, True, anchor)
-        bindings = [b.stmt for b in self._bindings(model)]
-        points = [*bindings, *moves]
-        if not points:
+        return self._made_here(model, [b.stmt for b in self._bindings(model)], moves)
+
+    def _made_here(self, model: TrainedModel, bindings: List[cst.CSTNode], moves: List[cst.CSTNode]) -> Optional[Wrap]:
+        """Where the model is made and moved, when its optimizer is built elsewhere (a
+        function it is passed to, a helper module, a `global` set in main()): right after its
+        last binding or move, in the block that makes it (a move in a branch: after the
+        branch), and only if nothing there has used the model yet (a call it is passed to may
+        train it: the wrap must come before). None where that does not hold: the runtime then
+        averages its gradients at the optimizer step instead."""
+        if not bindings:
             return None
-        last = max(points, key=self.s.order)
-        line = self._outermost_line(last, model)
-        return Wrap(model.name, False, line) if line is not None else None
+        made = self.s.line(max(bindings, key=self.s.order))
+        home = self.s.block(made) if made is not None else None
+        last = self._in_block(max([*bindings, *moves], key=self.s.order), made) if home is not None else None
+        if last is None or isinstance(last, (cst.For, cst.While)) or self.s.order(last) < self.s.order(made):
+            return None
+        body = list(home.body)
+        region = body[body.index(made):body.index(last) + 1]
+        allowed = {id(n) for point in [*bindings, *moves] for n in self.s.index.subtree(point)}
+        for line in region:
+            if self.model.trains(line):
+                return None
+            for node in self.s.index.subtree(line):
+                if id(node) not in allowed and isinstance(node, (cst.Name, cst.Attribute)) and \
+                        dotted(node) == model.name and not self._is_target(node):
+                    return None  # used before the wrap could go in
+        return Wrap(model.name, False, last)
+
+    def _is_target(self, node: cst.CSTNode) -> bool:
+        parent = self.s.parent(node)
+        return isinstance(parent, (cst.AssignTarget, cst.Global)) or isinstance(parent, cst.NameItem)
 
     def _bindings(self, model: TrainedModel):
         if model.name.startswith("self."):
@@ -287,46 +311,42 @@ class DdpPlan:
             current = self.s.line(self.s.parent(current)) if self.s.parent(current) is not None else None
         return current
 
-    def _outermost_line(self, stmt: cst.CSTNode, model: TrainedModel) -> Optional[cst.CSTNode]:
-        """The line of the model's own scope body (not inside a loop or branch of it) that
-        holds `stmt`."""
-        body = model.scope.node.body if not isinstance(model.scope.node, cst.Module) else model.scope.node
-        block = body if isinstance(body, (cst.Module, cst.IndentedBlock)) else None
-        current = self.s.line(stmt)
-        while current is not None and self.s.block(current) is not block:
-            parent = self.s.parent(current)
-            current = self.s.line(parent) if parent is not None else None
-        if current is not None and isinstance(current, (cst.For, cst.While)):
-            return None  # bound in a loop: wrap where the optimizer is built instead
-        return current
-
     @cached_property
-    def blockers(self) -> List[Tuple[cst.CSTNode, str]]:
-        """Why the training data cannot be sharded: a trained module we cannot wrap."""
+    def unwrapped(self) -> List[Tuple[cst.CSTNode, str]]:
+        """What DDP does not average, and why: those parameters are averaged at the optimizer
+        step instead (`averaging` says so). Each entry is (where, why not wrapped)."""
         if not self.active:
             return []
         out = []
         wrapped = {w.name for w in self.wraps}
         if self._double_backward:
             out.append((self._double_backward, "a gradient taken with create_graph=True and backpropagated again "
-                                               "(a gradient penalty): DDP does not support double backward through "
-                                               "a wrapped model, so no model is wrapped"))
+                                               "(a gradient penalty), which DDP does not support: no model is "
+                                               "DDP-wrapped"))
             return out
         for opt in self.model.optimizers:
             if opt.functional:
-                out.append((opt.site, "the optimizer trains tensors, not a module (a functional model): DDP has "
-                                      "nothing to wrap"))
+                out.append((opt.site, "this optimizer trains tensors, not a module (a functional model): there is "
+                                      "nothing to DDP-wrap"))
             elif not opt.resolved:
-                out.append((opt.site, "cannot tell which module this optimizer trains"))
+                out.append((opt.site, "which module this optimizer trains cannot be told from here: it is not "
+                                      "DDP-wrapped"))
         for model in self.model.trained_models:
             if model.loss_module:
-                site = model.optimizers[0].site
-                out.append((site, f"`{model.name}` is a loss module whose parameters the optimizer trains; it is "
-                                  "not DDP-wrapped, so its gradients would not be averaged across ranks"))
+                out.append((model.optimizers[0].site, f"`{model.name}` is a loss module with parameters the "
+                                                      "optimizer trains: it is not DDP-wrapped"))
             elif model.name not in wrapped:
-                out.append((model.optimizers[0].site, f"no place to wrap `{model.name}` (bound in a loop or "
-                                                      "where its optimizer cannot see it)"))
+                out.append((model.optimizers[0].site, f"`{model.name}` is not DDP-wrapped (no place before its "
+                                                      "training where it is made and moved)"))
         return out
+
+    def averaging(self) -> List[Tuple[cst.CSTNode, str]]:
+        """The parameters trained data-parallel by gradient averaging at the optimizer step."""
+        if not self.shard_training:
+            return []
+        return [(where, f"{why}; its gradients are averaged across ranks at each optimizer step instead "
+                        "(data-parallel by gradient averaging: DDP's overlap of communication with backward is "
+                        "lost)") for where, why in self.unwrapped]
 
     @cached_property
     def _double_backward(self) -> Optional[cst.Call]:
@@ -341,10 +361,25 @@ class DdpPlan:
 
     @cached_property
     def shard_training(self) -> bool:
-        """Shard training data only when every module that trains on it is wrapped."""
-        return self.active and bool(self.wraps) and not self.blockers
+        """Shard the training data of every script that trains through torch.optim
+        optimizers: a model DDP wraps has its gradients averaged in backward, and every other
+        parameter an optimizer steps has them averaged at the step, by the hooks
+        setup_distributed() installs (runtime/averaging.py). So the ranks train one model
+        whatever the analysis could prove about the script's shape. Training by hand (no
+        optimizer) has no step to average at: its data stays whole."""
+        return self.active and bool(self.model.optimizers)
 
     # -- loaders -------------------------------------------------------------------------
+    @cached_property
+    def foreign_loaders(self) -> List[cst.BaseExpression]:
+        """Training loaders made where this file cannot see: rebuilt per rank where bound."""
+        return self.model.foreign_loaders if self.shard_training else []
+
+    @cached_property
+    def _rebuilt_loaders(self) -> bool:
+        """An earlier run rebuilt a loader for the rank (`shard_loader(...)`)."""
+        return any(runtime_helper(self.model.qualify(c.func)) == "shard_loader" for c in self.s.index.of(cst.Call))
+
     @cached_property
     def loader_edits(self) -> Dict[int, LoaderEdit]:
         edits: Dict[int, LoaderEdit] = {}
@@ -1256,17 +1291,14 @@ class DdpPlan:
     # -- what a reviewer must know -------------------------------------------------------
     def review_items(self) -> List[Tuple[cst.CSTNode, str]]:
         """Everything the migration could not prove, and the choices a human should check."""
-        items = list(self.reviews) + list(self.blockers)
+        items = list(self.reviews)
         if not self.model.optimizers:
             first = (self.model.backward_calls or self.model.step_calls)[0]
-            items.append((first, "training found, but no torch.optim optimizer whose modules can be followed "
-                                 "(updates by hand?): nothing is DDP-wrapped and the data is not sharded, so each "
-                                 "rank trains by itself as one process would; rank 0 prints and saves"))
-        if self.blockers and any(l.role in ("train", "flag") for l in self.model.loaders):
-            items.append((self.blockers[0][0], "training data NOT sharded, because a trained module is not "
-                                               "DDP-wrapped: each rank trains on the whole dataset by itself, as "
-                                               "one process would (rank 0 prints and saves); no speed-up"))
-        if self.shard_training and not any(l.role in ("train", "flag") for l in self.model.loaders):
+            items.append((first, "training found, but no torch.optim optimizer (updates by hand?): nothing is "
+                                 "averaged across ranks and the data is not sharded, so each rank trains by itself "
+                                 "as one process would; rank 0 prints and saves"))
+        if self.shard_training and not any(l.role in ("train", "flag") for l in self.model.loaders) \
+                and not self.foreign_loaders and not self._rebuilt_loaders:
             first = (self.model.backward_calls or self.model.step_calls)[0]
             items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded, so every rank "
                                  "trains on the same batches (correct, but no faster); shard the index range by "

@@ -146,15 +146,22 @@ class DdpSetup(Rule):
                 self._setup()
             for where, why in self.plan.review_items():
                 self.report(where, why, review=True)
+            if not self._set_up():  # said when the migration is made, not again by a second run
+                for where, why in self.plan.averaging():
+                    self.report(where, why)
         else:
             for where, why in self.plan.reviews:
                 self.report(where, why, review=True)
+
+    def _set_up(self) -> bool:
+        """The script calls setup_distributed() already (an earlier run, or its own)."""
+        return any((self.qualify(c.func) or "").endswith("setup_distributed") for c in findall(self.ctx.module, m.Call()))
 
     def _setup(self) -> None:
         """`setup_distributed()` where the script starts: after the imports, or first in its
         `if __name__ == "__main__":` block. A device the script defines right there comes
         from it (`device = setup_distributed()`)."""
-        if any((self.qualify(c.func) or "").endswith("setup_distributed") for c in findall(self.ctx.module, m.Call())):
+        if self._set_up():
             return
         kind, _ = self.plan.entry
         if kind == "module":
@@ -406,7 +413,7 @@ class DistributedSamplerRule(Rule):
     message = "each rank must see its own part of the data, in a new order each epoch"
     fixed_in = frozenset({"ddp"})
     lint = False
-    triggers = ("DataLoader",)
+    triggers = ("DataLoader", "backward", "step")  # step: a loader from elsewhere feeding training
     examples = (
         Flagged(
             "import torch\nfrom torch.utils.data import DataLoader\n"
@@ -471,6 +478,16 @@ class DistributedSamplerRule(Rule):
             self.report(original, "evaluation data sharded without padding; its sums are reduced over ranks")
         sampler = keyword_arg("sampler", _call(self.ctx, "distributed_sampler", args, self.fixing))
         return with_args(updated, [*(a for a in updated.args if a is not shuffle), sampler])
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
+        """`train_loader = helpers.get_loader(...)`: a loader made where the migration cannot
+        see, rebuilt for this rank where it is bound."""
+        if not any(original.value is value for value in self.plan.foreign_loaders):
+            return None
+        self.report(original.value, "training data from a loader made elsewhere: rebuilt for this rank where it is "
+                                    "bound (`shard_loader`: a DistributedSampler that keeps its shuffle, batch size "
+                                    "and workers, and a new order each epoch)")
+        return updated.with_changes(value=_call(self.ctx, "shard_loader", [cst.Arg(updated.value)], self.fixing))
 
     def _line(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         return script_model(self.ctx).s.line(node)
