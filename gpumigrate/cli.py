@@ -18,7 +18,7 @@ from gpumigrate import __version__
 from gpumigrate.config import Config, ConfigError, load_config
 from gpumigrate.rewriter.diff import colourize, file_diff
 from gpumigrate.rewriter.files import BadPattern, discover
-from gpumigrate.targets import TargetError, parse_target
+from gpumigrate.targets import TargetError, parse_target, target_bases
 
 if TYPE_CHECKING:
     from gpumigrate.rewriter.engine import FileResult
@@ -202,8 +202,14 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
 
     options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module}
     results: List[FileResult] = []
+    project = None
+    if "ddp" in target_bases(target) and not reading_stdin:
+        from gpumigrate.rewriter.project import projects  # a script and the modules it imports are one program
+
+        project = projects(files)
     processed = _process(files, stdin_filename, plan, options, max_size=config.max_file_size, jobs=jobs,
-                         cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
+                         cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout,
+                         project=project)
     for result in _progress(processed, len(files), "migrating") if quiet else processed:
         results.append(result)
         _deliver(result, show_diff, check, output, reading_stdin, quiet, _colour(color))
@@ -254,12 +260,15 @@ def _vendor_note(results: List["FileResult"], directory: str, output: Optional[s
 def _process(files: Sequence[str], stdin_filename: Optional[str],
              plan: Callable[[str], "Passes"], options: Optional[dict] = None,
              max_size: Optional[int] = None, jobs: Optional[int] = None, cache: bool = False,
-             stdin: bool = False, file_timeout: Optional[float] = None) -> Iterator["FileResult"]:
+             stdin: bool = False, file_timeout: Optional[float] = None,
+             project: Optional[dict] = None) -> Iterator["FileResult"]:
     """The files (or, `stdin`, standard input under the name given for it) through the
     engine, in worker processes `jobs` at a time: a file that crashes its worker, or takes
     longer than `file_timeout` seconds, is that file's error, and the run goes on.
     `plan(name)`: a file's passes, each the rules and the codes to fix. Results come in input order; a
-    file over `max_size` bytes is skipped, as an error. `cache`: use the results cache."""
+    file over `max_size` bytes is skipped, as an error. `cache`: use the results cache.
+    `project`: each file's links to the modules of its project (rewriter/project.py), given
+    to the migration as the option `project`."""
     from gpumigrate.rewriter.cache import Cache, cache_dir
     from gpumigrate.rewriter.workers import Task, process_cached
 
@@ -268,8 +277,13 @@ def _process(files: Sequence[str], stdin_filename: Optional[str],
         name = stdin_filename or "<stdin>"
         tasks = [Task(name, _frozen(plan(stdin_filename or STDIN)), options, repairs, source=_read_stdin(max_size))]
     else:
-        tasks = [Task(path, _frozen(plan(path)), options, repairs, max_size) for path in files]
+        tasks = [Task(path, _frozen(plan(path)), _with_project(options, (project or {}).get(path)), repairs, max_size)
+                 for path in files]
     return process_cached(tasks, jobs, Cache(cache_dir()) if cache else None, file_timeout)
+
+
+def _with_project(options: Optional[dict], project: Any) -> Optional[dict]:
+    return options if project is None else {**(options or {}), "project": project}
 
 
 def _frozen(passes: "Passes") -> tuple:

@@ -283,7 +283,6 @@ class SummaryWriter:
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P03: the writer is None on ranks != 0 while a writer call that runs the model stays on every rank")
 def test_p03_model_call_on_every_rank_writer_call_gated(tmp_path):
     script, _ = _migrated(P03, "ddp", tmp_path)
     run = _torchrun(script, tmp_path / "run", files={"tensorboardX.py": TENSORBOARDX})
@@ -403,8 +402,6 @@ def test_p09_loader_from_a_helper_sharded_per_rank(tmp_path):
 P10 = "P10_trainer_module"
 
 
-@todo("P10: on a trainer module (no main block) the first --to ddp run makes only the device changes "
-      "and says nothing; the second adds DDP")
 def test_p10_one_run_gives_the_final_form(tmp_path):
     project, report = _migrated_project(P10, "ddp", tmp_path)
     first = _snapshot(project)
@@ -417,7 +414,6 @@ def test_p10_one_run_gives_the_final_form(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P10: the trainer module is not migrated for DDP by one run: under torchrun each rank trains alone")
 def test_p10_ranks_train_one_model(tmp_path):
     project, _ = _migrated_project(P10, "ddp", tmp_path)
     run = _torchrun(project / "main.py", tmp_path / "run", project=True)
@@ -489,8 +485,6 @@ def test_p12_numpy_gets_float32(precision, tmp_path):
 P13 = "P13_driver_and_trainer"
 
 
-@todo("P13: a driver script whose training is in another module of the project (agent.py): "
-      "'no training found', agent.py unchanged")
 def test_p13_driver_and_trainer_migrated_as_one_program(tmp_path):
     project, report = _migrated_project(P13, "ddp", tmp_path)
     first = _snapshot(project)
@@ -503,7 +497,6 @@ def test_p13_driver_and_trainer_migrated_as_one_program(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-@todo("P13: under torchrun every line is printed twice, each rank trains alone and both write the checkpoint")
 def test_p13_one_program_under_torchrun(tmp_path):
     project, _ = _migrated_project(P13, "ddp", tmp_path)
     run = _torchrun(project / "main.py", tmp_path / "run", project=True)

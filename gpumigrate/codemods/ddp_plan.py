@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -154,20 +154,53 @@ class DdpPlan:
 
     @cached_property
     def script(self) -> bool:
-        """A script that uses torch and runs code (not a library module that scripts import)."""
-        return self.model.uses_torch and self.entry is not None
+        """Part of a program that uses torch: a script that runs code, or a module of its
+        project that a script imports (a trainer class in solver.py: one program with it)."""
+        return self.model.uses_torch and (self.entry is not None or bool(self.drivers))
+
+    @cached_property
+    def drivers(self) -> List[Any]:
+        """The project's scripts beside this module that import it (rewriter/project.py)."""
+        project = self.ctx.options.get("project")
+        return [link for link in getattr(project, "importers", ()) if link.script]
+
+    @cached_property
+    def trained_in(self) -> List[Any]:
+        """The project modules this script imports whose code trains (`.backward()`)."""
+        project = self.ctx.options.get("project")
+        return [link for link in getattr(project, "imports", ()) if "backward" in link.calls]
+
+    @cached_property
+    def driver(self) -> bool:
+        """A script that trains through a module of its project (`Agent(...).train()`): it
+        joins the process group and keeps its outputs to rank 0; the module gets the rest."""
+        return self.entry is not None and not self.model.has_training and bool(self.trained_in)
 
     @cached_property
     def active(self) -> bool:
-        """The ddp edits apply: a script that trains. Scripts without training (inference,
-        evaluation) are left to the device fixes, with a note."""
+        """The ddp edits apply: a program that trains, here or in a module of its project.
+        Scripts without training (inference, evaluation) are left to the device fixes, with
+        a note."""
         if not self.script:
             return False
+        if self.driver:
+            for link in self.trained_in:
+                (self.notes if link.in_run else self.reviews).append((self.ctx.module.body[0], (
+                    f"training happens in {link.path}: migrated with this script as one program" if link.in_run
+                    else f"training happens in {link.path}, which this run does not migrate: migrate it too "
+                         "(`gpumigrate <its folder> --to ddp`), or each rank trains alone")))
+            return True
         if not self.model.has_training:
             first = self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module
             self.reviews.append((first, "no training found (no `.backward()` or `optimizer.step()`): nothing to "
                                         "distribute, so --to ddp made only the device changes; run it with python"))
             return False
+        if self.entry is None:
+            for link in self.drivers:
+                if not link.in_run:
+                    self.reviews.append((self.ctx.module.body[0], f"this module trains for {link.path}, which this "
+                                         "run does not migrate: migrate it too (`gpumigrate <its folder> --to ddp`): "
+                                         "it must call setup_distributed() first"))
         return True
 
     # -- models --------------------------------------------------------------------------
@@ -822,7 +855,15 @@ class DdpPlan:
         return bool(fn.callers) and all(self.gated(c, main_only=True) for c in fn.callers)
 
     def _safe_args(self, call: cst.Call) -> bool:
-        for node in self.s.index.subtree(call):
+        return self._safe(call, call)
+
+    def unsafe_args(self, call: cst.Call) -> List[cst.Arg]:
+        """The arguments of an output call that may train or communicate (a model's forward,
+        an evaluation of this file): computed on every rank before the call is gated."""
+        return [arg for arg in call.args if not self._safe(arg.value, call)]
+
+    def _safe(self, root: cst.CSTNode, call: cst.Call) -> bool:
+        for node in self.s.index.subtree(root):
             if node is call or not isinstance(node, cst.Call):
                 continue
             if dotted(node.func) is not None and self.wrapped_reference(node.func):
@@ -1292,7 +1333,7 @@ class DdpPlan:
     def review_items(self) -> List[Tuple[cst.CSTNode, str]]:
         """Everything the migration could not prove, and the choices a human should check."""
         items = list(self.reviews)
-        if not self.model.optimizers:
+        if not self.model.optimizers and not self.driver:
             first = (self.model.backward_calls or self.model.step_calls)[0]
             items.append((first, "training found, but no torch.optim optimizer (updates by hand?): nothing is "
                                  "averaged across ranks and the data is not sharded, so each rank trains by itself "

@@ -147,7 +147,7 @@ class DdpSetup(Rule):
             for where, why in self.plan.review_items():
                 self.report(where, why, review=True)
             if not self._set_up():  # said when the migration is made, not again by a second run
-                for where, why in self.plan.averaging():
+                for where, why in [*self.plan.averaging(), *self.plan.notes]:
                     self.report(where, why)
         else:
             for where, why in self.plan.reviews:
@@ -161,8 +161,8 @@ class DdpSetup(Rule):
         """`setup_distributed()` where the script starts: after the imports, or first in its
         `if __name__ == "__main__":` block. A device the script defines right there comes
         from it (`device = setup_distributed()`)."""
-        if self._set_up():
-            return
+        if self._set_up() or self.plan.entry is None:
+            return  # set up already; or a module of the program whose script sets it up
         kind, _ = self.plan.entry
         if kind == "module":
             self._device_line = self._device_definition()
@@ -1104,6 +1104,9 @@ class RankZeroOutput(_BlockRule):
             return None
         verdict = self._verdict(original)
         if verdict is False:
+            hoisted = self._hoisted(original, updated)
+            if hoisted is not None:
+                return hoisted
             self.report(original, "output that calls code which may train or communicate: left on every rank; "
                                   "move the call out and print its result on rank 0", review=True)
         if verdict is not True:
@@ -1112,6 +1115,33 @@ class RankZeroOutput(_BlockRule):
         guard = _guard(self.ctx, [updated])
         self.ctx.shared("rank-zero-gates", lambda ctx: set()).add(id(guard))
         return guard
+
+    def _hoisted(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
+        """`writer.add_histogram('out', net(x), 0)`: the arguments that may train or
+        communicate (a model's forward, an evaluation) run first, on every rank; only the
+        output call goes to rank 0 (the writer may exist there alone)."""
+        if len(original.body) != 1 or len(updated.body) != 1 or \
+                not m.matches(updated.body[0], m.Expr(m.Call())) or original.body[0].value.func is None:
+            return None
+        call, new_call = original.body[0].value, updated.body[0].value
+        unsafe = {id(arg) for arg in self.plan.unsafe_args(call)}
+        if not unsafe or len(call.args) != len(new_call.args) or any(a.star for a in call.args):
+            return None
+        first: List[cst.SimpleStatementLine] = []
+        args = []
+        for old, new in zip(call.args, new_call.args):
+            if id(old) in unsafe:
+                name = fresh_name(self.ctx, "value")
+                first.append(_assign(name, new.value))
+                new = new.with_changes(value=cst.Name(name))
+            args.append(new)
+        self.report(original, "output whose arguments may train or communicate: they are computed on every rank, "
+                              "the output runs on rank 0")
+        guard = _guard(self.ctx, [updated.with_changes(body=[updated.body[0].with_changes(
+            value=new_call.with_changes(args=args))], leading_lines=[])])
+        self.ctx.shared("rank-zero-gates", lambda ctx: set()).add(id(guard))
+        first[0] = first[0].with_changes(leading_lines=updated.leading_lines)
+        return cst.FlattenSentinel([*first, guard])
 
     def leave_With(self, original: cst.With, updated: cst.With):
         if not self.plan.active or id(original) not in self.plan.gated_withs or self.plan.gated_with_saves(original):

@@ -1,0 +1,179 @@
+"""A script and the modules of its project it imports are one program: which files of a
+run import which modules beside them, and which run code when executed.
+
+A training script often drives a trainer class from another module of its project
+(`from solver import Solver`): migrating either file alone, a migration sees half a program.
+This reads the imports with Python's own parser (no LibCST, no torch knowledge): each file's
+project imports (modules found beside it or in the folders above it), and the project files
+beside it that import it. The migration then decides, from the facts of each linked module
+(what it calls, whether it is a script), what the file needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+_SCAN_LIMIT = 300  # files of one folder read to find who imports a file (a vendored tree is no project)
+_ROOTS_UP = 3  # folders above a file where `import pkg.mod` may be rooted
+
+
+@dataclass(frozen=True)
+class Link:
+    """A module of the project linked to a file: its path (relative to the working
+    directory), what it calls (names of called functions and methods, sorted), whether it
+    runs code when executed as a script, whether this run migrates it too, and its digest."""
+
+    path: str
+    calls: Tuple[str, ...]
+    script: bool
+    in_run: bool
+    digest: str
+
+
+@dataclass(frozen=True)
+class Project:
+    """The project around one file: the project modules it imports, and the project
+    scripts beside it that import it. Plain sorted tuples: its repr keys the cache."""
+
+    imports: Tuple[Link, ...] = ()
+    importers: Tuple[Link, ...] = ()
+
+
+@dataclass
+class _Module:
+    path: Path
+    digest: str
+    calls: Tuple[str, ...]
+    script: bool
+    imports: List[Path]
+
+
+class _Reader:
+    """Modules read once for the whole run."""
+
+    def __init__(self) -> None:
+        self.modules: Dict[Path, Optional[_Module]] = {}
+
+    def get(self, path: Path) -> Optional[_Module]:
+        path = path.resolve()
+        if path not in self.modules:
+            self.modules[path] = _read(path)
+        return self.modules[path]
+
+
+def _read(path: Path) -> Optional[_Module]:
+    try:
+        data = path.read_bytes()
+        tree = ast.parse(data)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    calls: Set[str] = set()
+    imported: List[Tuple[int, str, Tuple[str, ...]]] = []  # (level, module, names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name:
+                calls.add(name)
+        elif isinstance(node, ast.Import):
+            imported.extend((0, alias.name, ()) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.append((node.level, node.module or "", tuple(a.name for a in node.names)))
+    found: List[Path] = []
+    for level, module, names in imported:
+        for target in _resolve(path, level, module, names):
+            if target not in found and target != path.resolve():
+                found.append(target)
+    return _Module(path.resolve(), hashlib.sha256(data).hexdigest()[:16], tuple(sorted(calls)),
+                   _runs_code(tree), found)
+
+
+def _resolve(importer: Path, level: int, module: str, names: Sequence[str]) -> Iterable[Path]:
+    """The project files an import may name: relative imports from the importer's package,
+    absolute ones from its folder or a folder a few levels above (a project run from its
+    root). Only files that exist; never installed packages."""
+    parts = module.split(".") if module else []
+    if level:
+        bases = [importer.resolve().parents[level - 1]] if level - 1 < len(importer.resolve().parents) else []
+    else:
+        bases = list(importer.resolve().parents)[:_ROOTS_UP + 1]
+    for base in bases:
+        for candidate in _candidates(base, parts, names):
+            if candidate.is_file():
+                yield candidate.resolve()
+                return  # the nearest root that has it
+
+
+def _candidates(base: Path, parts: List[str], names: Sequence[str]) -> List[Path]:
+    out = []
+    if parts:
+        stem = base.joinpath(*parts)
+        out += [stem.with_suffix(".py"), stem / "__init__.py"]
+        out += [stem / f"{name}.py" for name in names if name != "*"]  # `from pkg import mod`
+    else:
+        out += [base / f"{name}.py" for name in names if name != "*"]  # `from . import mod`
+    return out
+
+
+def _runs_code(tree: ast.Module) -> bool:
+    """Does running the file as a script do anything beyond defining things: a main block,
+    or module-level statements other than imports, definitions, docstrings and constants?"""
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                             ast.Pass)):
+            continue
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None and \
+                not any(isinstance(n, ast.Call) for n in ast.walk(stmt.value)):
+            continue
+        if isinstance(stmt, ast.Try) and all(isinstance(s, (ast.Import, ast.ImportFrom)) for s in stmt.body):
+            continue
+        return True
+    return False
+
+
+def projects(paths: Sequence[str]) -> Dict[str, Project]:
+    """The project of each of `paths` (the files of a run), by path; files that link to no
+    other module of their project are left out."""
+    reader = _Reader()
+    in_run = {Path(p).resolve() for p in paths}
+    out: Dict[str, Project] = {}
+    folders: Dict[Path, List[Path]] = {}
+    for raw in paths:
+        path = Path(raw).resolve()
+        module = reader.get(path)
+        if module is None:
+            continue
+        imports = [link for link in (_link(reader.get(t), in_run) for t in module.imports) if link is not None]
+        folder = path.parent
+        if folder not in folders:
+            try:
+                folders[folder] = sorted(p for p in folder.iterdir() if p.suffix == ".py" and p.is_file())[:_SCAN_LIMIT]
+            except OSError:
+                folders[folder] = []
+        importers = []
+        for sibling in folders[folder]:
+            other = reader.get(sibling)
+            if other is not None and other.path != path and path in other.imports and other.script:
+                link = _link(other, in_run)
+                if link is not None:
+                    importers.append(link)
+        if imports or importers:
+            out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)))
+    return out
+
+
+def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
+    if module is None:
+        return None
+    try:
+        shown = os.path.relpath(module.path)
+    except ValueError:  # another drive
+        shown = str(module.path)
+    return Link(shown, module.calls, module.script, module.path in in_run, module.digest)
