@@ -318,8 +318,8 @@ def test_the_apex_fp16_flag_pattern_of_real_scripts(monkeypatch):
     out, reviews = amp(VIT_STEP)
     assert not reviews, reviews
     assert ("    with autocast(model):\n        loss = ((model(x) - y) ** 2).mean()\n        opt.zero_grad() if False "
-            "else None\n        if accumulate > 1:\n            loss = loss / accumulate\n    if fp16:\n"
-            "        scaler.scale(loss).backward()\n    else:\n        scaler.scale(loss).backward()\n") in out
+            "else None\n        if accumulate > 1:\n            loss = loss / accumulate\n"
+            "    scaler.scale(loss).backward()\n    if (step + 1) % accumulate == 0:\n") in out  # one branch left
     assert out.count("scaler.unscale_(opt)") == 2 and out.count("scaler.update()") == 1
     assert "optimizer_params(opt)" in out and "amp" not in out.replace("autocast", "").replace("gpumigrate", "")
     for precision in ("fp16", "bf16"):
@@ -364,3 +364,188 @@ def test_apex_behind_a_flag_goes_and_the_flag_is_listed():
     assert "if fp16" not in out and "amp." not in out
     assert reviews == ["apex ran only `if fp16:`; mixed precision now always runs: pass `enabled=fp16` to autocast() "
                        "and grad_scaler() if the flag must keep its meaning"]
+
+
+# ---------------------------------------------------------------- binary_cross_entropy (issue 18 item 8)
+
+# CUDA autocast raises for binary_cross_entropy whatever its input; CPU autocast does not. The
+# runs below stand in for CUDA: binary_cross_entropy refuses anything but float32 input and target.
+STRICT_BCE = """\
+import torch.nn.functional as _F
+_real_bce = _F.binary_cross_entropy
+def _float32_only(input, target, *args, **kwargs):
+    assert input.dtype == torch.float32 and target.dtype == torch.float32, (input.dtype, target.dtype)
+    return _real_bce(input, target, *args, **kwargs)
+_F.binary_cross_entropy = _float32_only
+"""
+
+
+def _runs_with_float32_bce(out: str, monkeypatch) -> None:
+    for precision in ("fp16", "bf16"):
+        monkeypatch.setenv("GPUMIGRATE_AMP", precision)
+        exec(compile(out.replace("import torch\n", "import torch\n" + STRICT_BCE, 1), "x.py", "exec"), {})
+
+
+@pytest.mark.parametrize("loss", ["crit(probs, torch.sigmoid(y))",
+                                  "torch.nn.functional.binary_cross_entropy(probs, torch.sigmoid(y))",
+                                  "torch.nn.BCELoss()(input=probs, target=torch.sigmoid(y))"])
+def test_binary_cross_entropy_runs_after_autocast_on_float32(loss, monkeypatch):
+    out, reviews = amp(f"""\
+        crit = torch.nn.BCELoss().cuda()
+        for x, y in loader:
+            probs = torch.sigmoid(model(x)).view(-1, 1)
+            loss = {loss}
+            loss.backward()
+            opt.step()
+        """)
+    assert not reviews
+    assert "    with autocast(model):\n        probs = torch.sigmoid(model(x)).view(-1, 1)\n    loss = " in out
+    assert "probs.float()" in out
+    _runs_with_float32_bce(out, monkeypatch)
+
+
+def test_a_binary_cross_entropy_input_that_runs_the_model_is_computed_before_its_line(monkeypatch):
+    """The DCGAN shape: `criterion(netD(fake), label)` for G, two BCE losses for D."""
+    out, reviews = amp("""\
+        netD = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Sigmoid())
+        optD = torch.optim.SGD(netD.parameters(), lr=0.1)
+        criterion = torch.nn.BCELoss()
+        for x, y in loader:
+            real = torch.ones(x.size(0), 1)
+            fake = model(x)
+            # D
+            errD = criterion(netD(torch.sigmoid(y)), real) + criterion(netD(fake.detach()), 1 - real)
+            errD.backward()
+            optD.step()
+            # G
+            errG = criterion(netD(fake), real)
+            errG.backward()
+            opt.step()
+        """)
+    assert not reviews
+    assert ("    # D\n    with autocast(netD):\n        probs = netD(torch.sigmoid(y))\n"
+            "        probs_2 = netD(fake.detach())\n"
+            "    errD = criterion(probs.float(), real) + criterion(probs_2.float(), 1 - real)\n") in out
+    assert "    with autocast(netD):\n        probs = netD(fake)\n    errG = criterion(probs.float(), real)\n" in out
+    _runs_with_float32_bce(out, monkeypatch)
+
+
+def test_binary_cross_entropy_in_methods_helpers_and_evaluation(monkeypatch):
+    out, reviews = amp("""\
+        def bce(p, t):
+            return torch.nn.functional.binary_cross_entropy(p, t)
+
+        class Trainer:
+            def __init__(self, net):
+                self.net = net
+                self.criterion = torch.nn.BCELoss()
+                self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+            def fit(self):
+                for x, y in loader:
+                    loss = self.criterion(torch.sigmoid(self.net(x)), torch.sigmoid(y))
+                    self.opt.zero_grad()
+                    loss.backward()
+                    self.opt.step()
+
+        Trainer(model).fit()
+        for x, y in loader:
+            p = torch.sigmoid(model(x))
+            bce(p, torch.sigmoid(y)).backward()
+            opt.step()
+        with torch.no_grad():
+            total = 0.0
+            for x, y in loader:
+                out = torch.sigmoid(model(x))
+                total += bce(out, torch.sigmoid(y)).item()
+        """)
+    assert not reviews
+    assert ("            with autocast(self.net):\n                probs = torch.sigmoid(self.net(x))\n"
+            "            loss = self.criterion(probs.float(), torch.sigmoid(y))\n") in out
+    assert "    scaler.scale(bce(p.float(), torch.sigmoid(y))).backward()\n" in out
+    assert ("        with autocast(model):\n            out = torch.sigmoid(model(x))\n"
+            "        total += bce(out.float(), torch.sigmoid(y)).item()\n") in out
+    _runs_with_float32_bce(out, monkeypatch)
+
+
+def test_a_loss_that_is_not_binary_cross_entropy_stays_under_autocast():
+    out, _ = amp("""\
+        crit = torch.nn.BCEWithLogitsLoss()
+        for x, y in loader:
+            loss = crit(model(x), torch.sigmoid(y))
+            loss.backward()
+            opt.step()
+        """)
+    assert "    with autocast(model):\n        loss = crit(model(x), torch.sigmoid(y))\n" in out
+    assert ".float()" not in out
+
+
+# ---------------------------------------------------------------- `.numpy()` of autocast values
+
+def test_numpy_of_a_floating_autocast_value_gets_float32_and_indices_stay():
+    out, reviews = amp("""\
+        history = []
+        for x, y in loader:
+            out = model(x)
+            probs = torch.softmax(out, 1)
+            loss = ((out - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            history.append((probs.detach()[0].cpu().numpy(), out.argmax(1).numpy(), y.numpy(),
+                            loss.detach().numpy(), (out > 0).numpy()))
+        """)
+    assert not reviews, reviews
+    assert ("history.append((probs.detach()[0].cpu().float().numpy(), out.argmax(1).numpy(), y.numpy(),\n"
+            "                    loss.detach().float().numpy(), (out > 0).numpy()))") in out
+
+
+def test_numpy_of_an_autocast_value_of_unknown_dtype_is_listed():
+    out, reviews = amp("""\
+        for x, y in loader:
+            out = model(x)
+            loss = ((out - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            print(out.round().numpy())
+        """)
+    assert "out.round().numpy()" in out
+    assert any("`.numpy()` of a value computed under autocast" in r for r in reviews)
+
+
+# ---------------------------------------------------------------- branches left with nothing to choose
+
+def test_if_half_left_empty_goes_and_an_emptied_branch_negates_its_test():
+    out, reviews = amp("""\
+        half = True
+        if half:
+            model.half()
+        for x, y in loader:
+            if half:
+                x = x.half()
+            else:
+                x = x.float()
+            model(x).sum().backward()
+            opt.step()
+        """)
+    assert not reviews
+    assert "if half:" not in out and "pass" not in out
+    assert "    if not half:\n        x = x.float()\n" in out
+
+
+def test_identical_branches_with_a_call_in_the_test_are_kept():
+    """The test may do something: evaluating it once more keeps that."""
+    out, _ = amp("""\
+        from apex import amp
+        model, opt = amp.initialize(model, opt)
+        def fp16():
+            return True
+        for x, y in loader:
+            loss = model(x).sum()
+            if fp16():
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+        """)
+    assert "    if fp16():\n        scaler.scale(loss).backward()\n    else:\n        scaler.scale(loss).backward()\n" in out

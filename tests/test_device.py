@@ -157,3 +157,58 @@ def test_weights_only_false_for_a_model_whose_class_is_imported():
         model = torch.load('model.pt')
         """)
     assert "torch.load('model.pt', map_location=device, weights_only=False)" in out
+
+
+def test_a_gpu_index_defined_under_the_guard_is_defined_on_every_device():
+    """Field report 2, P11: the `.cuda(gpu)` calls leave their guards, so must `gpu`."""
+    source = """\
+        import torch
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            gpu = 0
+            torch.cuda.set_device(gpu)
+        model = torch.nn.Linear(2, 2)
+        if use_cuda:
+            model = model.cuda(gpu)
+        x = torch.randn(3, 2)
+        if use_cuda: x = x.cuda(gpu)
+        print(model(x).shape)
+        """
+    out = fix(source)
+    assert "if use_cuda" not in out and "set_device" not in out
+    assert "\ngpu = 0\nmodel = torch.nn.Linear(2, 2)\nmodel = model.to(get_device(gpu))\n" in out
+    exec(compile(out, "x.py", "exec"), {})  # no CUDA here: `gpu` is defined all the same
+
+
+def test_a_gpu_index_that_needs_cuda_to_compute_keeps_its_guards():
+    out = fix("""\
+        import torch
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            gpu = torch.cuda.current_device()
+        model = torch.nn.Linear(2, 2)
+        if use_cuda:
+            model.cuda(gpu)
+        """)
+    assert "if use_cuda:\n    gpu = torch.cuda.current_device()\n" in out
+    assert "if use_cuda:\n    model.to(get_device(gpu))\n" in out
+    exec(compile(out, "x.py", "exec"), {})
+
+
+def test_a_dead_else_goes_with_the_guard_but_a_commented_one_stays():
+    out = fix("""\
+        import torch
+        use_cuda = torch.cuda.is_available()
+        model = torch.nn.Linear(2, 2)
+        if use_cuda:
+            model.cuda()
+        else:
+            pass
+        x = torch.randn(1, 2)
+        if use_cuda:
+            x = x.cuda()
+        else:
+            pass  # TODO: MPS
+        """)
+    assert "model = torch.nn.Linear(2, 2)\nmodel.to(device)\n" in out
+    assert "if use_cuda:\n    x = x.to(device)\nelse:\n    pass  # TODO: MPS\n" in out

@@ -69,6 +69,12 @@ class AmpSetup(Rule):
     Where the steps of an iteration cannot be placed for certain (steps in different
     branches, a closure, `torch.autograd.backward`), the file stays in full precision and
     the reason is listed for review.
+
+    `binary_cross_entropy` (`nn.BCELoss`) is unsafe to autocast: CUDA refuses it there. The
+    lines that call it run after the autocast block, on float32 inputs
+    (`crit(probs.float(), y)`; an input that runs the model, `crit(net(x), y)`, is computed
+    under autocast on a line before). A value computed under autocast gets `.float()` before
+    `.numpy()` where it is provably floating point: NumPy has no bfloat16.
     """
 
     code = "GM500"
@@ -97,6 +103,16 @@ class AmpSetup(Rule):
         Flagged(_HEAD + "d = torch.optim.SGD(model.parameters(), lr=0.1)\nfor i, (x, y) in enumerate(loader):\n"
                 "    loss = model(x).sum()\n    loss.backward()\n    opt.step()\n    if i % 5 == 0:\n"
                 "        d.step()\n"),
+        # binary_cross_entropy after the autocast block, on float32; `.float()` before `.numpy()`
+        Flagged(_HEAD + "crit = torch.nn.BCELoss()\nfor x, y in loader:\n    probs = torch.sigmoid(model(x))\n"
+                "    loss = crit(probs, y)\n    loss.backward()\n    opt.step()\n"
+                "    history.append(probs.detach().numpy())\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "crit = torch.nn.BCELoss()\nfor x, y in loader:\n    with autocast(model):\n"
+                "        probs = torch.sigmoid(model(x))\n    loss = crit(probs.float(), y)\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"
+                "    history.append(probs.detach().float().numpy())\n"),
         Clean(_HEAD + "scaler = torch.amp.GradScaler()\nfor x, y in loader:\n"
               "    with torch.autocast('cuda'):\n        loss = model(x).sum()\n    scaler.scale(loss).backward()\n"
               "    scaler.step(opt)\n    scaler.update()\n"),
@@ -123,6 +139,15 @@ class AmpSetup(Rule):
             self.report(call, "evaluation left in full precision: its results become NumPy arrays, and bfloat16 "
                               "(on a CPU) has none; autocast its forward pass by hand if they are cast first",
                         review=True)
+        # binary_cross_entropy lines: after the autocast block, on float32 inputs
+        self.hoisted = {id(h.call): h for hoists in self.plan.hoists.values() for h in hoists}
+        self.hoisted_values: dict = {}  # id(line) -> [(hoist, the input as rewritten)]
+        for call in self.plan.bce_review[:1]:
+            self.report(call, "binary_cross_entropy runs in this call on what autocast computed (reduced "
+                              "precision): cast its tensor arguments with `.float()`", review=True)
+        for line in self.plan.bce_lines:
+            self.report(line, "binary_cross_entropy (`BCELoss`) is unsafe to autocast (CUDA refuses it): computed "
+                              "after the autocast block, on float32 inputs")
         self.saved = {id(d) for d in model.s.index.order if isinstance(d, cst.Dict) and self._checkpoint(d)}
         self.restored = {id(line) for line in self._restores_optimizer()}
 
@@ -138,6 +163,13 @@ class AmpSetup(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if not self._active():
             return None
+        if id(original) in self.plan.bce_casts or id(original) in self.hoisted:
+            return self._float32_inputs(original, updated)
+        if id(original) in self.plan.numpy_casts:
+            self.report(original, "`.numpy()` of a value computed under autocast: `.float()` first (NumPy has no "
+                                  "bfloat16, and float16 would reach it silently)")
+            return updated.with_changes(func=updated.func.with_changes(
+                value=call_method(updated.func.value, "float")))
         if id(original) in self.plan.backwards:
             self.report(original, "`.backward()` of the scaled loss")
             receiver = updated.func.value
@@ -148,6 +180,30 @@ class AmpSetup(Rule):
             return _scaler_call(self.plan, "step", [updated.func.value]).with_changes(
                 lpar=updated.lpar, rpar=updated.rpar)
         return None
+
+    def _float32_inputs(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        """`crit(probs, y)` -> `crit(probs.float(), y)`; an input that runs the model is
+        computed before the line, under autocast (see leave_SimpleStatementLine)."""
+        args = list(updated.args)
+        hoist = self.hoisted.get(id(original))
+        if hoist is not None:
+            line = script_model(self.ctx).s.line(original)
+            self.hoisted_values.setdefault(id(line), []).append((hoist, args[hoist.arg].value))
+            args[hoist.arg] = args[hoist.arg].with_changes(value=call_method(cst.Name(hoist.name), "float"))
+        for k in self.plan.bce_casts.get(id(original), []):
+            args[k] = args[k].with_changes(value=call_method(args[k].value, "float"))
+        return updated.with_changes(args=args)
+
+    def _hoisted_inputs(self, original: cst.SimpleStatementLine) -> List[cst.BaseStatement]:
+        """`with autocast(net): probs = net(x)` before a binary_cross_entropy line."""
+        values = self.hoisted_values.pop(id(original), [])
+        if not values:
+            return []
+        lines = [cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(h.name))], value=value)])
+                 for h, value in values]
+        item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
+                                          args=[cst.Arg(values[0][0].model.deep_clone())]))
+        return [cst.With(items=[item], body=cst.IndentedBlock(body=lines))]
 
     def leave_Dict(self, original: cst.Dict, updated: cst.Dict):
         if not self._active() or id(original) not in self.saved:
@@ -164,16 +220,21 @@ class AmpSetup(Rule):
         if inline:
             self.report(original, "the loss is named and computed under autocast")
             updated = self._name_the_loss(original, updated)
+        before = self._hoisted_inputs(original)
         if id(original) in self.plan.unscale_before:
-            before = [_line(_scaler_call(self.plan, "unscale_", [cst.parse_expression(o)]))
-                      for o in self.plan.unscale_before[id(original)]]
+            before += [_line(_scaler_call(self.plan, "unscale_", [cst.parse_expression(o)]))
+                       for o in self.plan.unscale_before[id(original)]]
         if id(original) in self.plan.update_after:
             after.append(_line(_scaler_call(self.plan, "update", [])))
         if id(original) in self.restored:
             after.append(self._restore_scaler(original))
         if not before and not after and not inline:
             return None
-        if before:
+        if before and isinstance(updated, cst.FlattenSentinel):
+            first = updated.nodes[0]
+            before[0] = before[0].with_changes(leading_lines=first.leading_lines)
+            updated = cst.FlattenSentinel([first.with_changes(leading_lines=[]), *updated.nodes[1:]])
+        elif before:
             before[0] = before[0].with_changes(leading_lines=updated.leading_lines)
             updated = updated.with_changes(leading_lines=[])
         if isinstance(updated, cst.FlattenSentinel):
@@ -192,11 +253,14 @@ class AmpSetup(Rule):
         loss = scale.args[0].value
         name = cst.Name(self.plan.loss_name)
         compute = cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(name)], value=loss)])
-        item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
-                                          args=[cst.Arg(self.plan.inline[id(original)].deep_clone())]))
         before = list(updated.body[:at])
-        wrapped = cst.With(items=[item], body=cst.IndentedBlock(body=[compute]),
-                           leading_lines=[] if before else updated.leading_lines)
+        if id(original) in self.plan.inline_plain:  # binary_cross_entropy: its inputs were made before
+            wrapped = compute.with_changes(leading_lines=[] if before else updated.leading_lines)
+        else:
+            item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
+                                              args=[cst.Arg(self.plan.inline[id(original)].deep_clone())]))
+            wrapped = cst.With(items=[item], body=cst.IndentedBlock(body=[compute]),
+                               leading_lines=[] if before else updated.leading_lines)
         rest = [updated.body[at].with_changes(value=backward.with_changes(func=backward.func.with_changes(
             value=scale.with_changes(args=[scale.args[0].with_changes(value=name)])))), *updated.body[at + 1:]]
         line = updated.with_changes(leading_lines=[], body=rest)
@@ -341,7 +405,8 @@ class ApexAmp(_MigratedByAmp):
     scaler.scale(loss).backward()
     ```
     (`--to amp` migrates all of it; the `try: from apex import amp / except ImportError`
-    guard goes too.)
+    guard goes too, and so does an `if args.fp16:` whose branches are the same once apex is
+    gone: one of them is kept.)
     """
 
     code = "GM501"
@@ -364,6 +429,14 @@ class ApexAmp(_MigratedByAmp):
                 "for x, y in loader:\n    with autocast(model):\n        loss = model(x).sum()\n"
                 "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"),
         Flagged("try:\n    from apex import amp\nexcept ImportError:\n    raise ImportError('install apex')\n"),
+        # `if args.fp16:` and its `else` are the same after the migration: one is kept
+        Flagged(_HEAD + "from apex import amp\nmodel, opt = amp.initialize(model, opt)\nfor x, y in loader:\n"
+                "    loss = model(x).sum()\n    if args.fp16:\n        with amp.scale_loss(loss, opt) as scaled:\n"
+                "            scaled.backward()\n    else:\n        loss.backward()\n    opt.step()\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "for x, y in loader:\n    with autocast(model):\n        loss = model(x).sum()\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"),
         Clean("import torch\nscaler = torch.amp.GradScaler()\n"),
         Clean("import apexlib\napexlib.helper()\n"),  # not apex
     )
@@ -466,9 +539,10 @@ class ApexAmp(_MigratedByAmp):
 
     def leave_If(self, original: cst.If, updated: cst.If):
         """`if args.fp16: model, optimizer = amp.initialize(...)` leaves nothing to test."""
-        if not self._migrating() or original.orelse is not None or script_model(self.ctx).s.inside(
-                original.test, cst.Call):
+        if not self._migrating() or script_model(self.ctx).s.inside(original.test, cst.Call):
             return None
+        if original.orelse is not None:
+            return _settled_if(self, original, updated)
         body = original.body.body
         if all(isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 and isinstance(
                 line.body[0], cst.Assign) and isinstance(line.body[0].value, cst.Call) and
@@ -477,7 +551,7 @@ class ApexAmp(_MigratedByAmp):
             if all(m.matches(line, m.SimpleStatementLine(body=[m.Pass()])) and not line.leading_lines
                    for line in inner):
                 return self.ctx.remove_statement(updated)
-        return None
+        return _settled_if(self, original, updated)
 
     def _review_settings(self, call: cst.Call) -> None:
         """What torch.amp does not keep: apex's O0 (float32) and O3 (pure float16), a static
@@ -555,6 +629,60 @@ def _imports_apex_amp(node: cst.ImportFrom) -> bool:
     return module == "apex.amp"
 
 
+def _only_pass(block: cst.BaseSuite) -> bool:
+    """A block of `pass` alone, with no comment in it."""
+    if not isinstance(block, cst.IndentedBlock) or block.header.comment is not None or block.footer:
+        return False
+    return all(m.matches(line, m.SimpleStatementLine(body=[m.Pass()])) and line.trailing_whitespace.comment is None
+               and not any(e.comment is not None for e in line.leading_lines) for line in block.body)
+
+
+def _same_statements(a: cst.BaseSuite, b: cst.BaseSuite) -> bool:
+    render = cst.Module(body=[]).code_for_node
+    if not (isinstance(a, cst.IndentedBlock) and isinstance(b, cst.IndentedBlock)):
+        return False
+    return ["".join(render(s).split()) for s in a.body] == ["".join(render(s).split()) for s in b.body]
+
+
+def _negated(test: cst.BaseExpression) -> cst.BaseExpression:
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        return test.expression.with_changes(lpar=[], rpar=[]) if isinstance(
+            test.expression, (cst.BooleanOperation, cst.Comparison, cst.Name, cst.Attribute)) else test.expression
+    if not isinstance(test, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) and not test.lpar:
+        test = test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return cst.UnaryOperation(operator=cst.Not(), expression=test)
+
+
+def _settled_if(rule: "_MigratedByAmp", original: cst.If, updated: cst.If):
+    """An `if FLAG:` the amp migration left with nothing to choose (`if args.fp16:` around
+    apex's `scale_loss` and `else: loss.backward()`, both now `scaler.scale(loss).backward()`;
+    `if args.half: model.half()`, now empty): identical branches become the one, an emptied
+    body goes (its `else` runs `if not FLAG:`). Only for a test without calls (evaluating it
+    does nothing else), and only where the migration made them so."""
+    s = script_model(rule.ctx).s
+    if not rule.plan.applies or not isinstance(updated.body, cst.IndentedBlock) or \
+            s.inside(original.test, cst.Call) or original.body.header.comment is not None:
+        return None
+    test = " ".join(cst.Module(body=[]).code_for_node(original.test).split())
+    orelse = updated.orelse
+    if _only_pass(updated.body) and not _only_pass(original.body):
+        if orelse is None or isinstance(orelse, cst.Else) and _only_pass(orelse.body):
+            rule.report(original, f"`if {test}:` has nothing left to do after the migration: it goes")
+            return rule.ctx.remove_statement(updated)
+        if isinstance(orelse, cst.Else) and isinstance(orelse.body, cst.IndentedBlock) and not orelse.leading_lines:
+            rule.report(original, f"`if {test}:` has nothing left to do after the migration: its `else` runs "
+                                  f"`if not ...:`")
+            return updated.with_changes(test=_negated(updated.test), body=orelse.body, orelse=None)
+        return None
+    if isinstance(orelse, cst.Else) and isinstance(original.orelse, cst.Else) and not orelse.leading_lines and \
+            _same_statements(updated.body, orelse.body) and not _same_statements(original.body, original.orelse.body):
+        rule.report(original, f"`if {test}:` and its `else` do the same after the migration: one is kept")
+        stmts = list(updated.body.body)
+        stmts[0] = stmts[0].with_changes(leading_lines=[*updated.leading_lines, *stmts[0].leading_lines])
+        return cst.FlattenSentinel(stmts)
+    return None
+
+
 def _whole_line(small: cst.CSTNode, call: Optional[cst.CSTNode], halves: set) -> bool:
     """`model.half()` or `x = x.half()`: a statement that is nothing but one of `halves`."""
     if call is None or id(call) not in halves or getattr(small, "value", None) is not call:
@@ -590,7 +718,8 @@ class HalfTraining(_MigratedByAmp):
         with autocast(model):
             loss = crit(model(x), y)
     ```
-    `--keep-half` keeps pure float16; GM305 then keeps BatchNorm in float32.
+    `--keep-half` keeps pure float16; GM305 then keeps BatchNorm in float32. An `if
+    args.half:` left with nothing to do goes (its `else`, if any, runs `if not args.half:`).
     """
 
     code = "GM502"
@@ -613,6 +742,15 @@ class HalfTraining(_MigratedByAmp):
                 "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                 "for x, y in loader:\n    with autocast(model):\n        loss = model(x).sum()\n"
                 "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"),
+        # `if args.half:` left empty goes; an emptied branch's `else` runs `if not ...:`
+        Flagged(_HEAD + "if args.half:\n    model.half()\nfor x, y in loader:\n    if args.half:\n"
+                "        x = x.half()\n    else:\n        x = x.float()\n    loss = model(x).sum()\n"
+                "    loss.backward()\n    opt.step()\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "for x, y in loader:\n    if not args.half:\n        x = x.float()\n    with autocast(model):\n"
+                "        loss = model(x).sum()\n    scaler.scale(loss).backward()\n    scaler.step(opt)\n"
+                "    scaler.update()\n"),
         Clean("import torch\nx = torch.zeros(2).half()\n"),  # no training: nothing to migrate
     )
 
@@ -648,15 +786,18 @@ class HalfTraining(_MigratedByAmp):
 
     def leave_If(self, original: cst.If, updated: cst.If):
         """`else: x = x.half()` emptied: the `else` goes."""
-        if not (isinstance(original.orelse, cst.Else) and isinstance(updated.orelse, cst.Else) and self.plan.applies):
+        if not self.plan.applies:
             return None
-        before, after = original.orelse.body.body, updated.orelse.body.body
-        emptied = len(after) == 1 and m.matches(after[0], m.SimpleStatementLine(body=[m.Pass()])) and \
-            not m.matches(before[0], m.SimpleStatementLine(body=[m.Pass()]))
-        if emptied and not after[0].leading_lines and all(
-                any(id(c) in self.halves for c in script_model(self.ctx).s.inside(stmt, cst.Call)) for stmt in before):
-            return updated.with_changes(orelse=None)
-        return None
+        if isinstance(original.orelse, cst.Else) and isinstance(updated.orelse, cst.Else):
+            before, after = original.orelse.body.body, updated.orelse.body.body
+            emptied = len(after) == 1 and m.matches(after[0], m.SimpleStatementLine(body=[m.Pass()])) and \
+                not m.matches(before[0], m.SimpleStatementLine(body=[m.Pass()]))
+            if emptied and not after[0].leading_lines and all(
+                    any(id(c) in self.halves for c in script_model(self.ctx).s.inside(stmt, cst.Call))
+                    for stmt in before):
+                updated = updated.with_changes(orelse=None)
+                return _settled_if(self, original.with_changes(orelse=None), updated) or updated
+        return _settled_if(self, original, updated)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if id(original) not in self.halves:

@@ -15,7 +15,9 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from gpumigrate.analysis import script_model
-from gpumigrate.analysis.structure import dotted, target_names
+from gpumigrate.analysis import values as v
+from gpumigrate.analysis.structure import NEVER, dotted, target_names
+from gpumigrate.analysis.values import call_argument
 from gpumigrate.rewriter.engine import FileContext
 
 _CLIP = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad_norm",
@@ -37,6 +39,17 @@ class Slice:
 
 
 @dataclass
+class Hoist:
+    """The input of a binary_cross_entropy call that runs the model (`crit(net(x), y)`):
+    computed under autocast into `name` before its line, which runs outside autocast."""
+
+    call: cst.Call
+    arg: int  # position in call.args
+    name: str
+    model: cst.BaseExpression
+
+
+@dataclass
 class AmpPlan:
     ctx: FileContext
     active: bool = False  # the scaler edits apply
@@ -50,12 +63,22 @@ class AmpPlan:
     numpy_after: List[cst.CSTNode] = field(default_factory=list)  # `.numpy()` of autocast values
     # `model(x).sum().backward()`: line id -> the model; the loss gets a name, computed under autocast
     inline: Dict[int, cst.BaseExpression] = field(default_factory=dict)
+    inline_plain: Set[int] = field(default_factory=set)  # ... but computed outside autocast (BCE)
     loss_name: str = "loss"
     anchored: Set[Tuple[int, int]] = field(default_factory=set)  # (block, index) autocast before
     eval_numpy: List[cst.CSTNode] = field(default_factory=list)  # evaluation kept in full precision
+    numpy_casts: Set[int] = field(default_factory=set)  # ids of `.numpy()` calls that get `.float()` first
     halves: List[cst.Call] = field(default_factory=list)  # `.half()` of models and loop inputs: they go
     kept_halves: List[cst.Call] = field(default_factory=list)  # other `.half()`: listed when the model's go
     scaler: str = "scaler"
+    # binary_cross_entropy is unsafe to autocast (CUDA raises): its lines run outside autocast
+    bce_lines: List[cst.CSTNode] = field(default_factory=list)
+    bce_casts: Dict[int, List[int]] = field(default_factory=dict)  # id(call) -> args to cast to float32
+    hoists: Dict[int, List[Hoist]] = field(default_factory=dict)  # id(line) -> inputs computed before it
+    # (block, start, end) of every autocast region decided, BCE lines included
+    claimed: List[Tuple[cst.CSTNode, int, int]] = field(default_factory=list)
+    bce_review: List[cst.Call] = field(default_factory=list)  # arguments of unknown kind: not cast
+    bce_functions: Dict[int, bool] = field(default_factory=dict)  # id(function node) -> computes BCE
     _defined: bool = False
 
     @property
@@ -67,6 +90,11 @@ class AmpPlan:
     @cached_property
     def model(self):
         return script_model(self.ctx)
+
+    @cached_property
+    def mentions_bce(self) -> bool:
+        """binary_cross_entropy can be called here at all (a cheap test before the search)."""
+        return "binary_cross_entropy" in self.ctx.text or "BCELoss" in self.ctx.text
 
     @cached_property
     def trained(self) -> Set[str]:
@@ -126,6 +154,7 @@ def _build(ctx: FileContext) -> AmpPlan:
     if plan.inline:
         plan.loss_name = fresh_name(ctx, "loss")
     _slice_evaluation(plan)
+    _numpy_of_autocast(plan)
     return plan
 
 
@@ -159,6 +188,10 @@ def _plan_training(plan: AmpPlan) -> None:
             inline = _forward_call(plan, func.value, trained)
             if inline is not None:
                 plan.inline[id(member)] = inline
+                if any(_bce_calls(plan, member)):  # the named loss is computed after autocast
+                    _float32_inputs(plan, s.block(member), [member], 0, 0, inline)
+                    plan.bce_lines.append(member)
+                    plan.inline_plain.add(id(member))
                 continue
         anchors[id(member)] = (member, s.block(member), loss)
     for step in model.step_calls:
@@ -332,7 +365,7 @@ def _slice_forward(plan: AmpPlan, member: cst.CSTNode, block: cst.CSTNode, train
         k = next(i for i, b in enumerate(body) if b is member)
         if (id(block), k) in plan.anchored:
             return  # the other branch of an `if` whose first branch placed it
-        taken = max([sl.end for sl in plan.slices if sl.block is block and sl.end <= k], default=0)
+        taken = max([end for b, _, end in plan.claimed if b is block and end <= k], default=0)
         for i in range(taken, k):
             found = _forward_call(plan, body[i], trained)
             if found is not None:
@@ -341,9 +374,9 @@ def _slice_forward(plan: AmpPlan, member: cst.CSTNode, block: cst.CSTNode, train
                     end = k
                     while end - 1 > i and _inert(body[end - 1]) and _forward_call(plan, body[end - 1], trained) is None:
                         end -= 1  # `optimizer.zero_grad()`, `print(...)`: nothing autocast changes
-                plan.slices.append(Slice(block, i, end, found))
+                plan.slices.extend(_without_bce(plan, block, body, i, end, found))
                 plan.anchored.add((id(block), k))
-                plan.numpy_after.extend(_numpy_calls(plan, body[k + 1:]))
+                plan.numpy_after.extend(_numpy_calls(plan, body[i:end] + body[k + 1:]))
                 return
         parent = s.parent(block)
         if not isinstance(parent, (cst.If, cst.Else, cst.With, cst.Try)) or isinstance(parent, cst.With) and \
@@ -396,10 +429,341 @@ def _slice_evaluation(plan: AmpPlan) -> None:
                 if found is not None:
                     start = i
                     break
-            if start is None or any(sl.block is loop.body for sl in plan.slices):
+            if start is None or any(b is loop.body for b, _, _ in plan.claimed):
                 continue
             numpy = _numpy_calls(plan, body[start:])
             if numpy:
                 plan.eval_numpy.extend(numpy)
                 continue
-            plan.slices.append(Slice(loop.body, start, len(body), found))
+            try:
+                plan.slices.extend(_without_bce(plan, loop.body, body, start, len(body), found))
+            except _NotProven:
+                continue  # this evaluation stays in full precision
+
+
+# -- binary_cross_entropy: unsafe to autocast ---------------------------------------------
+# CUDA's autocast raises for binary_cross_entropy (and BCELoss) whatever its input's dtype
+# ("unsafe to autocast"): a float16 sigmoid output loses the precision its log needs. CPU
+# autocast (bfloat16) runs it in float32, so only a GPU shows it. The lines that call it run
+# after the autocast block, on float32 inputs.
+BCE_FUNCTIONS = ("torch.nn.functional.binary_cross_entropy",)
+BCE_MODULES = ("torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss", "torch.nn.modules.BCELoss")
+_MOVES = ("cuda", "to", "cpu", "float", "train", "eval")  # `nn.BCELoss().cuda()` is still one
+
+
+def constructed_from(model, qualify, expr: cst.BaseExpression, classes, depth: int = 0) -> bool:
+    """Does `expr` (what a call calls) hold a module built by one of `classes` (qualified
+    names: `torch.nn.BCELoss`), by one of its bindings: `crit = nn.BCELoss()`, `self.crit`
+    set so in a method, a parameter some same-file call fills with one, `nn.BCELoss().cuda()`?
+    (Read by the amp plan and by GM208; a fact of the script model at heart.)"""
+    s = model.s
+    if depth > 4:
+        return False
+    while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in _MOVES:
+        expr = expr.func.value
+    if isinstance(expr, cst.Call):
+        return qualify(expr.func) in classes
+    scope = s.scope(expr)
+    if isinstance(expr, cst.Name):
+        stmt = s.statement(expr)
+        _, bindings = s.lookup(expr.value, scope, s.order(stmt) if stmt is not None else NEVER)
+    elif isinstance(expr, cst.Attribute) and isinstance(expr.value, cst.Name) and expr.value.value == "self":
+        cls = s.instance_class(expr.value, scope)
+        bindings = cls.attrs.get(expr.attr.value, []) if cls is not None else []
+    else:
+        return False
+    for b in bindings:
+        if b.how == "assign" and isinstance(b.value, cst.BaseExpression) and \
+                constructed_from(model, qualify, b.value, classes, depth + 1):
+            return True
+        if b.how == "param":
+            fn = s.functions.get(id(b.scope.node))
+            position = fn.position(b.name) if fn is not None else -1
+            for call in fn.callers if fn is not None else ():
+                arg = call_argument(call, b.name, position)
+                if arg is not None and constructed_from(model, qualify, arg, classes, depth + 1):
+                    return True
+    return False
+
+
+def _holds_bce(plan: AmpPlan, expr: cst.BaseExpression) -> bool:
+    """One binding to a `BCELoss` is enough: computing a loss outside autocast on float32
+    inputs is right for any loss."""
+    return constructed_from(plan.model, plan.ctx.names.qualify, expr, BCE_MODULES)
+
+
+def is_bce_call(plan: AmpPlan, call: cst.Call) -> bool:
+    """`F.binary_cross_entropy(p, y)`, `nn.BCELoss()(p, y)`, `criterion(p, y)` with a
+    `criterion` bound to `nn.BCELoss()`."""
+    if plan.ctx.names.qualify(call.func) in BCE_FUNCTIONS:
+        return True
+    return _holds_bce(plan, call.func) and bool(call.args)
+
+
+def _bce_calls(plan: AmpPlan, stmt: cst.CSTNode, depth: int = 0) -> Tuple[List[cst.Call], List[cst.Call]]:
+    """The binary_cross_entropy calls of a statement, and its calls of same-file functions
+    that make one (up to three calls deep)."""
+    direct: List[cst.Call] = []
+    through: List[cst.Call] = []
+    if not plan.mentions_bce:
+        return direct, through
+    for call in plan.model.s.inside(stmt, cst.Call):
+        if is_bce_call(plan, call):
+            direct.append(call)
+        elif _calls_bce(plan, call, depth):
+            through.append(call)
+    return direct, through
+
+
+def _calls_bce(plan: AmpPlan, call: cst.Call, depth: int = 0) -> bool:
+    """Does this call run a same-file function (or module's forward) that computes
+    binary_cross_entropy?"""
+    s = plan.model.s
+    target = s.callee(call)
+    if target is None and isinstance(call.func, (cst.Name, cst.Attribute)):  # a module of this file
+        cls = s.instance_class(call.func, s.scope(call))
+        target = s.method(cls, "forward") if cls is not None else None
+    if target is None or depth >= 3:
+        return False
+    key = id(target.node)
+    if key not in plan.bce_functions:
+        plan.bce_functions[key] = False  # recursion: not (yet) known to
+        plan.bce_functions[key] = any(_bce_calls(plan, target.node, depth + 1))
+    return plan.bce_functions[key]
+
+
+def _bce_args(call: cst.Call) -> List[int]:
+    """Positions in call.args of the input and the target."""
+    out = []
+    for position, keyword in ((0, "input"), (1, "target")):
+        for k, arg in enumerate(call.args):
+            if arg.keyword is not None and arg.keyword.value == keyword or \
+                    arg.keyword is None and not arg.star and k == position:
+                out.append(k)
+    return out
+
+
+def _hoistable(plan: AmpPlan, call: cst.Call, line: cst.CSTNode) -> bool:
+    """Can the input of `call` be computed on a line of its own before `line`, in the same
+    order? Not inside a lambda, a comprehension or a conditional part of an expression."""
+    if not isinstance(line, cst.SimpleStatementLine) or len(line.body) != 1:
+        return False
+    for a in plan.model.s.ancestors(call):
+        if a is line:
+            return True
+        if isinstance(a, (cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp, cst.IfExp,
+                          cst.BooleanOperation)):
+            return False
+    return False
+
+
+def _float32_inputs(plan: AmpPlan, block: cst.CSTNode, body: List[cst.CSTNode], start: int, j: int,
+                    found: cst.BaseExpression) -> None:
+    """Line `j` (outside autocast now) calls binary_cross_entropy: its input, and any target
+    computed under autocast, go in float32; an input that runs the model is computed under
+    autocast on a line before it."""
+    s, trained = plan.model.s, plan.trained
+    line = body[j]
+    computed = set().union(*(_assigns(s, body[k]) for k in range(start, j))) if j > start else set()
+    direct, through = _bce_calls(plan, line)
+    for call in direct:
+        positions = _bce_args(call)
+        for k in positions:
+            value = call.args[k].value
+            runs = _forward_call(plan, value, trained)
+            if k == positions[0] and runs is not None:
+                if not _hoistable(plan, call, line):
+                    continue  # the model runs in float32 here: right, if slower
+                hoists = plan.hoists.setdefault(id(line), [])
+                from gpumigrate.codemods.helpers import fresh_name
+
+                name = fresh_name(plan.ctx, "probs" if not hoists else f"probs_{len(hoists) + 1}")
+                hoists.append(Hoist(call, k, name, runs))
+            elif k == positions[0] or runs is not None or {n.value for n in s.inside(value, cst.Name)} & computed:
+                if not _is_float(value):
+                    plan.bce_casts.setdefault(id(call), []).append(k)
+    for call in through:  # `loss = bce_loss(out, y)`, with BCE inside: its tensors in float32
+        for k, arg in enumerate(call.args):
+            names = {n.value for n in s.inside(arg.value, cst.Name)}
+            if not names & computed or arg.star or _is_float(arg.value):
+                continue
+            if plan.model.kind(arg.value) not in (v.TENSOR, v.LOSS):
+                raise _NotProven(f"`{dotted(call.func) or 'a function'}(...)` computes binary_cross_entropy "
+                                 "(unsafe to autocast) on what the autocast block computed, and it is not "
+                                 "clear which of its arguments are tensors to cast to float32")
+            plan.bce_casts.setdefault(id(call), []).append(k)
+
+
+def _is_float(value: cst.BaseExpression) -> bool:
+    return isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and \
+        value.func.attr.value == "float" and not value.args
+
+
+def _without_bce(plan: AmpPlan, block: cst.CSTNode, body: List[cst.CSTNode], start: int, end: int,
+                 found: cst.BaseExpression) -> List[Slice]:
+    """The autocast region `body[start:end]`, less the lines that call binary_cross_entropy
+    (they run after it, on float32 inputs): the runs between them that run a model."""
+    plan.claimed.append((block, start, end))
+    bce = [j for j in range(start, end) if any(_bce_calls(plan, body[j]))]
+    if not bce:
+        return [Slice(block, start, end, found)]
+    for j in bce:
+        _float32_inputs(plan, block, body, start, j, found)
+        plan.bce_lines.append(body[j])
+    out, run = [], start
+    for stop in [*bce, end]:
+        if run < stop:
+            model = next((f for f in (_forward_call(plan, body[k], plan.trained) for k in range(run, stop))
+                          if f is not None), None)
+            if model is not None:
+                out.append(Slice(block, run, stop, model))
+        run = stop + 1
+    return out
+
+
+# -- `.numpy()` of what autocast computed -------------------------------------------------
+# NumPy has no bfloat16 (`TypeError: Got unsupported ScalarType BFloat16`), and float16
+# reaches it silently. A value the autocast block computed gets `.float()` before `.numpy()`
+# where it is provably floating point: it comes from the model's output (or another value
+# computed under autocast) through operations that keep a floating dtype. Indices
+# (`argmax`), comparisons and anything else are left as they are, and listed.
+_FLOAT_KEEPING = frozenset({
+    "detach", "cpu", "clone", "contiguous", "squeeze", "unsqueeze", "view", "view_as", "reshape", "permute",
+    "transpose", "t", "flatten", "mean", "sum", "std", "var", "exp", "log", "sigmoid", "tanh", "softmax",
+    "log_softmax", "abs", "neg", "sqrt", "pow", "mul", "div", "add", "sub", "clamp", "clamp_min", "clamp_max",
+    "relu", "expand", "expand_as", "squeeze_", "unsqueeze_", "cumsum", "norm", "logsumexp", "prod"})
+_FLOAT_FUNCTIONS = frozenset({"sigmoid", "tanh", "softmax", "log_softmax", "exp", "log", "relu", "abs",
+                              "flatten", "squeeze", "unsqueeze", "mean", "sum"})
+_LAYOUT = frozenset({"detach", "cpu", "clone", "contiguous", "squeeze", "unsqueeze", "view", "reshape", "flatten",
+                     "permute", "transpose", "t"})
+_NOT_FLOATING = frozenset({"argmax", "argmin", "long", "int", "bool", "byte", "eq", "ne", "gt", "lt", "ge", "le",
+                           "float", "double", "nonzero", "sign"})  # `.float()`: cast already
+_ARITHMETIC = (cst.Add, cst.Subtract, cst.Multiply, cst.Divide, cst.Power)
+
+
+class _AutocastValues:
+    """Which expressions hold a floating-point value the autocast regions computed."""
+
+    def __init__(self, plan: AmpPlan) -> None:
+        self.plan, self.s = plan, plan.model.s
+        index = self.s.index
+        self.regions = [(index.start[id(stmt)], index.end[id(stmt)])
+                        for sl in plan.slices for stmt in list(sl.block.body)[sl.start:sl.end]]
+
+    def inside(self, node: cst.CSTNode) -> bool:
+        at = self.s.index.start.get(id(node), -1)
+        return any(a <= at < b for a, b in self.regions)
+
+    def floating(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        if depth > 12:
+            return False
+        qualify = self.plan.ctx.names.qualify
+        if isinstance(expr, cst.Call):
+            func = expr.func
+            if isinstance(func, (cst.Name, cst.Attribute)) and dotted(func) in self.plan.trained:
+                return self.inside(expr)  # the model's output, where it ran under autocast
+            if isinstance(func, cst.Attribute) and func.attr.value in _FLOAT_KEEPING and \
+                    qualify(func) is None:
+                return self.floating(func.value, depth + 1)
+            name = qualify(func) or ""
+            if name.startswith(("torch.", "torch.nn.functional.")) and name.rsplit(".", 1)[1] in _FLOAT_FUNCTIONS \
+                    and expr.args and not expr.args[0].keyword:
+                return self.floating(expr.args[0].value, depth + 1)
+            return False
+        if isinstance(expr, cst.Attribute) and expr.attr.value in ("data", "T"):
+            return self.floating(expr.value, depth + 1)
+        if isinstance(expr, cst.Subscript):
+            return self.floating(expr.value, depth + 1)
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, _ARITHMETIC):
+            return self.floating(expr.left, depth + 1) or self.floating(expr.right, depth + 1)
+        if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Minus):
+            return self.floating(expr.expression, depth + 1)
+        if isinstance(expr, cst.Name):
+            stmt = self.s.statement(expr)
+            _, bindings = self.s.lookup(expr.value, self.s.scope(expr), self.s.order(stmt) if stmt else NEVER)
+            return bool(bindings) and all(self._binding(b, depth) for b in bindings)
+        return False
+
+    def maybe_reduced(self, expr: cst.BaseExpression) -> bool:
+        """Could this be a reduced-precision value of the autocast regions: it reads a name
+        bound there, and is not an index or a mask (`argmax`, `long`, a comparison)?"""
+        current = expr
+        while True:
+            if isinstance(current, cst.Call) and isinstance(current.func, cst.Attribute):
+                method = current.func.attr.value
+                if method in _NOT_FLOATING:
+                    return False
+                if method not in _LAYOUT:
+                    break
+                current = current.func.value
+            elif isinstance(current, cst.Attribute) and current.attr.value == "data" or isinstance(
+                    current, cst.Subscript):
+                current = current.value
+            else:
+                break
+        if isinstance(current, cst.Comparison):
+            return False
+        return self.reads(expr)
+
+    def reads(self, expr: cst.BaseExpression) -> bool:
+        """Does `expr` read a name bound in an autocast region?"""
+        for name in self.s.inside(expr, cst.Name) if id(expr) in self.s.index.start else ():
+            stmt = self.s.statement(name)
+            _, bindings = self.s.lookup(name.value, self.s.scope(name), self.s.order(stmt) if stmt else NEVER)
+            if any(self.inside(b.stmt) for b in bindings):
+                return True
+        return False
+
+    def _binding(self, b, depth: int) -> bool:
+        if b.how == "assign" and isinstance(b.value, cst.BaseExpression):
+            if self.inside(b.stmt) and self.plan.model.kind(b.value) == v.LOSS:
+                return True  # a loss computed under autocast
+            return self.floating(b.value, depth + 1)
+        if b.how == "unpack" and isinstance(b.value, cst.Call) and self.inside(b.stmt):
+            func = b.value.func
+            # `out, hidden = model(x)`: the first item of a model's output
+            return isinstance(func, (cst.Name, cst.Attribute)) and dotted(func) in self.plan.trained and \
+                tuple(b.path[:1]) == (0,)
+        return False
+
+
+def _bce_after_autocast(plan: AmpPlan, values: _AutocastValues) -> None:
+    """binary_cross_entropy anywhere else (`F.binary_cross_entropy(p, y).backward()` after
+    the block that computed `p`) on what autocast computed: those arguments in float32 too
+    (its input and target must have one dtype outside autocast)."""
+    s = plan.model.s
+    done = {id(n) for line in plan.bce_lines for n in s.inside(line, cst.Call)}
+    for call in s.index.of(cst.Call) if plan.mentions_bce else ():
+        if id(call) in done or values.inside(call):
+            continue
+        direct = is_bce_call(plan, call)
+        if direct:
+            positions = _bce_args(call)
+        elif _calls_bce(plan, call):
+            positions = [k for k, arg in enumerate(call.args) if not arg.star]
+        else:
+            continue
+        for k in positions:
+            value = call.args[k].value
+            if _is_float(value) or not values.reads(value) or k in plan.bce_casts.get(id(call), []):
+                continue
+            if not direct and plan.model.kind(value) not in (v.TENSOR, v.LOSS):
+                plan.bce_review.append(call)
+                continue
+            plan.bce_casts.setdefault(id(call), []).append(k)
+
+
+def _numpy_of_autocast(plan: AmpPlan) -> None:
+    """`.float()` before the `.numpy()` of a floating value the autocast regions computed;
+    the other `.numpy()` calls after a training step stay listed for review."""
+    if not plan.slices:
+        return
+    values = _AutocastValues(plan)
+    _bce_after_autocast(plan, values)
+    for call in plan.model.s.index.of(cst.Call):
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "numpy" and not call.args and \
+                values.floating(func.value):
+            plan.numpy_casts.add(id(call))
+    plan.numpy_after = [c for c in plan.numpy_after if id(c) not in plan.numpy_casts and
+                        values.maybe_reduced(c.func.value)]

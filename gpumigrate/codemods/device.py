@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import libcst as cst
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.devices import CUDA_TYPES
+from gpumigrate.analysis.syntax import runtime_helper, walk
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import (
     cuda_string_index,
@@ -246,7 +247,10 @@ class HardcodedDevice(Rule):
     model.to(device)
     ```
     A `--no-cuda` flag keeps its meaning: the device becomes
-    `get_device() if args.cuda else torch.device("cpu")`.
+    `get_device() if args.cuda else torch.device("cpu")`. A GPU index that only an `if
+    use_cuda:` guard defines (`gpu = args.gpu`) is defined on every device once the
+    `.cuda(gpu)` calls leave their guards; where its value could fail or do something
+    (`torch.cuda.current_device()`), those guards stay.
     """
 
     code = "GM103"
@@ -278,6 +282,14 @@ class HardcodedDevice(Rule):
             "args.cuda = not args.no_cuda and torch.cuda.is_available()\n"
             'device = get_device() if args.cuda else torch.device("cpu")\nmodel.to(device)\n'
             "x = torch.zeros(1, device=device)\n",
+        ),
+        Flagged(  # the GPU index defined under the guard too; the dead `else: pass` goes with it
+            "import torch\nuse_cuda = torch.cuda.is_available()\nif use_cuda:\n    gpu = 0\n"
+            "model = torch.nn.Linear(2, 2)\nif use_cuda:\n    model.cuda(gpu)\nelse:\n    pass\n"
+            'x = torch.zeros(1, device="cuda")\n',
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n"
+            "use_cuda = torch.cuda.is_available()\ngpu = 0\nmodel = torch.nn.Linear(2, 2)\n"
+            "model.to(get_device(gpu))\nx = torch.zeros(1, device=device)\n",
         ),
         Clean('import torch\ndevice = torch.device("cuda" if torch.cuda.is_available() else "cpu")\n'),
         Clean('import torch\nx = torch.zeros(2, device="cpu")\nname = "cuda"\n'),
@@ -369,12 +381,85 @@ class HardcodedDevice(Rule):
             stmts = [cst.SimpleStatementLine(body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)])
                      for s in updated.body.body]
             originals = list(body.body)
-        if not all(self._hardcodes_cuda(s) for s in originals) or any(self._hardcodes_cuda(s) for s in stmts):
+        indices = [s for s in originals if self._index_definition(s)]
+        if not all(self._hardcodes_cuda(s) or self._sets_device(s) or any(s is i for i in indices)
+                   for s in originals) or any(self._hardcodes_cuda(s) for s in stmts) or not stmts:
             return None
-        self.report(original, f"`if {test}:` guard around `.cuda()`: the device already says where to run"
-                    + (" (its `else` did the same on the CPU)" if original.orelse is not None else ""))
+        if len(indices) < len(originals) and self._index_left_behind(original):
+            return None  # `.cuda(gpu)` with `gpu` defined only under a guard that stays: keep this one too
+        if len(indices) == len(originals):
+            names = ", ".join(f"`{n}`" for s in indices for n in self._index_definition(s))
+            self.report(original, f"`if {test}:` guard around the GPU index {names} of `.cuda(...)` calls that "
+                                  "run on every device now: it is defined on every device too")
+        else:
+            self.report(original, f"`if {test}:` guard around `.cuda()`: the device already says where to run"
+                        + _else_note(original.orelse))
         stmts[0] = stmts[0].with_changes(leading_lines=[*original.leading_lines, *stmts[0].leading_lines])
         return cst.FlattenSentinel(stmts)
+
+    def _sets_device(self, stmt: cst.CSTNode) -> bool:
+        """A line of `torch.cuda.set_device(...)` calls (they go: see leave_SimpleStatementLine)."""
+        smalls = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt]
+        return all(m.matches(small, m.Expr(m.Call())) and self.qualify(small.value.func) == "torch.cuda.set_device"
+                   for small in smalls)
+
+    @functools.cached_property
+    def _index_names(self) -> frozenset:
+        """Names passed as the GPU index of `.cuda(i)`, `torch.device("cuda", i)` or
+        `get_device(i)` anywhere in the file."""
+        names = set()
+        for call in script_model(self.ctx).s.index.of(cst.Call):
+            if is_method_call(call, "cuda"):
+                arg = get_arg(call, "device", 0)
+            elif self.qualify(call.func) == "torch.device":
+                arg = get_arg(call, "index", 1)
+            elif runtime_helper(self.qualify(call.func)) == "get_device":
+                arg = get_arg(call, "index", 0)
+            else:
+                continue
+            if arg is not None and isinstance(arg.value, cst.Name):
+                names.add(arg.value.value)
+        return frozenset(names)
+
+    def _index_definition(self, stmt: cst.CSTNode) -> List[str]:
+        """`gpu = args.gpu`: names bound (to values that cannot fail or do anything: names,
+        attributes, literals, `int(...)`) and used as a GPU index. Under an `if use_cuda:`
+        guard, the `.cuda(gpu)` calls leave their guards and need them on every device."""
+        smalls = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt]
+        names: List[str] = []
+        for small in smalls:
+            if not (isinstance(small, cst.Assign) and all(isinstance(t.target, cst.Name) for t in small.targets)
+                    and _inert_value(small.value)):
+                return []
+            names += [t.target.value for t in small.targets]
+        return names if names and all(n in self._index_names for n in names) else []
+
+    def _index_left_behind(self, guard: cst.If) -> bool:
+        """Does a `.cuda(i)` in this guard use an `i` bound only inside guards that stay
+        (whose body is not only index definitions)? Then without the guard it is unbound
+        wherever there is no CUDA."""
+        s = script_model(self.ctx).s
+        flags = device_plan(self.ctx).guard_flags
+        for call in s.inside(guard.body, cst.Call):
+            arg = get_arg(call, "device", 0) if is_method_call(call, "cuda") else None
+            if arg is None or not isinstance(arg.value, cst.Name):
+                continue
+            bindings = s.all_bindings(arg.value.value, s.scope(call))
+            if not bindings:
+                continue
+            guards = [next((a for a in s.ancestors(b.stmt) if isinstance(a, cst.If) and
+                            self.ctx.module.code_for_node(a.test).strip() in flags and
+                            s.index.contains(a.body, b.stmt)), None) for b in bindings]
+            if all(g is not None and not self._defines_only_indices(g) for g in guards):
+                return True
+        return False
+
+    def _defines_only_indices(self, guard: cst.If) -> bool:
+        """A guard that goes as a whole with its index definitions (`gpu = 0`, and the
+        `torch.cuda.set_device(gpu)` that goes anyway)."""
+        lines = guard.body.body
+        return guard.orelse is None and any(self._index_definition(line) for line in lines) and all(
+            self._index_definition(line) or self._sets_device(line) for line in lines)
 
     def _hardcodes_cuda(self, stmt: cst.CSTNode) -> bool:
         """`.cuda()` or a CUDA tensor type (`x.type(torch.cuda.FloatTensor)`) in a statement."""
@@ -383,14 +468,52 @@ class HardcodedDevice(Rule):
 
     def _cpu_twin(self, node: cst.If) -> bool:
         """`if cuda: x = x.cuda() else: x = x`: the `else` is the body without `.cuda()`, so
-        with the device deciding, the body alone does both."""
+        with the device deciding, the body alone does both. So is an `else:` that does
+        nothing (`else: pass`, no comment): it goes with the guard."""
         orelse = node.orelse
+        if isinstance(orelse, cst.Else) and _does_nothing(orelse):
+            return True
         if not isinstance(orelse, cst.Else) or not isinstance(orelse.body, type(node.body)):
             return False
         render = cst.Module(body=[]).code_for_node
         without = node.body.visit(_DropCuda())
         squash = lambda n: " ".join(render(n).split())  # noqa: E731
         return squash(without) == squash(orelse.body)
+
+
+def _inert_value(value: cst.BaseExpression) -> bool:
+    """An expression that computes a plain value: names, attributes, literals, operators and
+    `int(...)`/`str(...)` of those; no other call, no indexing."""
+    for node in walk(value):
+        if isinstance(node, cst.Call):
+            if not (isinstance(node.func, cst.Name) and node.func.value in ("int", "str")):
+                return False
+        elif isinstance(node, (cst.Subscript, cst.Lambda, cst.Await, cst.Yield, cst.NamedExpr)):
+            return False
+    return True
+
+
+def _else_note(orelse: Optional[cst.CSTNode]) -> str:
+    if orelse is None:
+        return ""
+    return " (its `else` did nothing)" if _does_nothing(orelse) else " (its `else` did the same on the CPU)"
+
+
+def _does_nothing(orelse: cst.Else) -> bool:
+    """`else: pass` (or `...`), with no comment anywhere in it."""
+    body = orelse.body
+    if isinstance(body, cst.IndentedBlock):
+        if body.header.comment is not None or body.footer or not all(
+                isinstance(line, cst.SimpleStatementLine) and not line.leading_lines for line in body.body):
+            return False
+        lines = list(body.body)
+    else:
+        lines = [body]
+    if orelse.leading_lines or any(line.trailing_whitespace.comment is not None for line in lines):
+        return False
+    smalls = [small for line in lines for small in line.body]
+    return bool(smalls) and all(isinstance(small, cst.Pass) or m.matches(small, m.Expr(m.Ellipsis()))
+                                for small in smalls)
 
 
 class _DropCuda(cst.CSTTransformer):

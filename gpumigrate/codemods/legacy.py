@@ -16,7 +16,7 @@ import libcst as cst
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
-from gpumigrate.analysis.structure import target_names
+from gpumigrate.analysis.structure import NEVER, dotted, target_names
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.helpers import (
     enclosing,
@@ -29,8 +29,10 @@ from gpumigrate.codemods.helpers import (
     positional_args,
     remove_statement,
     same_code,
+    torch_name,
     with_args,
 )
+from gpumigrate.codemods.amp_plan import constructed_from
 from gpumigrate.rewriter.facts import SourceFacts
 from gpumigrate.rewriter.lazy import matchers as m
 
@@ -919,21 +921,52 @@ def _legacy_tensor_overload(call: cst.Call) -> bool:
     return tensorish or method.endswith("_")
 
 
+_FLOAT_LOSSES = ("binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss", "l1_loss",
+                 "smooth_l1_loss", "huber_loss", "soft_margin_loss", "kl_div")
+_FLOAT_LOSS_MODULES = ("BCELoss", "BCEWithLogitsLoss", "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
+                       "SoftMarginLoss", "KLDivLoss")
+FLOAT_LOSS_FUNCTIONS = frozenset(f"torch.nn.functional.{n}" for n in _FLOAT_LOSSES)
+FLOAT_LOSS_CLASSES = frozenset([f"torch.nn.{n}" for n in _FLOAT_LOSS_MODULES] +
+                               [f"torch.nn.modules.loss.{n}" for n in _FLOAT_LOSS_MODULES])
+_LOSS_NAME = re.compile(r"loss|crit", re.I)
+# methods whose result is the same tensor, moved or reshaped: `label = label.to(device)`
+_SAME_TENSOR = frozenset({"to", "cuda", "cpu", "view", "reshape", "detach", "squeeze", "unsqueeze", "expand",
+                          "expand_as", "view_as", "contiguous", "clone", "fill_"})
+
+
+class _TorchLoss:
+    """Any of torch's loss modules (`torch.nn.CrossEntropyLoss`), as a set of names."""
+
+    def __contains__(self, qualified: object) -> bool:
+        return isinstance(qualified, str) and qualified.startswith("torch.nn.") and qualified.endswith("Loss")
+
+
+def _int_literal(node: cst.BaseExpression) -> bool:
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
+        node = node.expression
+    return isinstance(node, cst.Integer)
+
+
 class DeprecatedOverload(Rule):
     """
     ## What it does
-    Finds call forms that today's torch deprecates: positional `alpha`/`value` overloads
-    (`p.data.add_(-lr, grad)`), `size_average=`/`reduce=` loss arguments, and renamed
-    functions (`clip_grad_norm`, `nn.init.xavier_uniform`, `F.upsample`).
+    Finds call forms that today's torch deprecates or changed: positional `alpha`/`value`
+    overloads (`p.data.add_(-lr, grad)`), `size_average=`/`reduce=` loss arguments, renamed
+    functions (`clip_grad_norm`, `nn.init.xavier_uniform`, `F.upsample`), and
+    `torch.full(size, 1)` labels for a float loss.
 
     ## Why is this bad?
-    They warn on every call (often every step) and are removed one release at a time.
+    They warn on every call (often every step) and are removed one release at a time. Since
+    torch 1.7 `torch.full` with an integer fill value makes an int64 tensor (it was float): a
+    label made so for `BCELoss` or `MSELoss` fails with "Found dtype Long but expected Float".
 
     ## Example
     ```python
     p.data.add_(-lr, p.grad.data)
     loss = F.nll_loss(out, y, size_average=False)
     torch.nn.utils.clip_grad_norm(model.parameters(), 0.25)
+    label = torch.full((batch_size,), real_label, device=device)  # real_label = 1
+    loss = criterion(netD(x), label)  # criterion = nn.BCELoss()
     ```
 
     ## Use instead
@@ -941,7 +974,10 @@ class DeprecatedOverload(Rule):
     p.data.add_(p.grad.data, alpha=-lr)
     loss = F.nll_loss(out, y, reduction="sum")
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+    label = torch.full((batch_size,), real_label, device=device, dtype=torch.float)
     ```
+    A `torch.full` with an integer fill that reaches a call named like a loss the migration
+    cannot identify is listed for review.
     """
 
     code = "GM208"
@@ -954,7 +990,8 @@ class DeprecatedOverload(Rule):
     def gate(cls, facts: SourceFacts) -> bool:
         overload = facts.any_call(*_ALPHA_METHODS, *_VALUE_METHODS) and (
             facts.any_id("data", "grad") or any(name.endswith("_") for name in facts.calls))
-        return overload or "nn" in facts.ids and (facts.any_call(*_OLD_NAMES) or facts.any_id("size_average", "reduce"))
+        return overload or "nn" in facts.ids and (facts.any_call(*_OLD_NAMES) or facts.any_id("size_average", "reduce")) \
+            or facts.any_call("full") and "torch" in facts.ids
 
     examples = (
         Flagged("p.data.add_(-lr, p.grad.data)\n", fixed="p.data.add_(p.grad.data, alpha=-lr)\n"),
@@ -966,12 +1003,24 @@ class DeprecatedOverload(Rule):
             "import torch\ntorch.nn.utils.clip_grad_norm(ps, 0.5)\n",
             fixed="import torch\ntorch.nn.utils.clip_grad_norm_(ps, 0.5)\n",
         ),
+        Flagged(
+            "import torch\nimport torch.nn as nn\nreal_label = 1\ncriterion = nn.BCELoss()\n"
+            "label = torch.full((8,), real_label)\nloss = criterion(torch.rand(8), label)\n",
+            fixed="import torch\nimport torch.nn as nn\nreal_label = 1\ncriterion = nn.BCELoss()\n"
+            "label = torch.full((8,), real_label, dtype=torch.float)\nloss = criterion(torch.rand(8), label)\n",
+        ),
+        Flagged(  # a loss the migration cannot see: listed
+            "import torch\nlabel = torch.full((8,), 1)\nloss = loss_fn(out, label)\n",
+        ),
         Clean("import torch\nx.add_(y, alpha=2)\nz = torch.add(a, b)\n"),
+        Clean("import torch\nignore = torch.full((8,), -100)\nloss = torch.nn.CrossEntropyLoss()(out, ignore)\n"),
         Clean("import re\nclean = ansi_escape.sub('', text)\nn = counter.sub(1, 2)\n"),
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         qualified = self.qualify(original.func)
+        if qualified == "torch.full":
+            return self._full(original, updated)
         if qualified in _RENAMES and isinstance(updated.func, cst.Attribute):
             new = _RENAMES[qualified]
             self.report(original, f"`{qualified.rsplit('.', 1)[1]}` is deprecated; use `{new}`")
@@ -992,6 +1041,95 @@ class DeprecatedOverload(Rule):
             return with_args(updated, [t1, t2.with_changes(comma=cst.MaybeSentinel.DEFAULT),
                                        keyword_arg("value", value.value)])
         return self._reduction(original, updated, qualified)
+
+    # -- torch.full with an integer fill: int64 since torch 1.7 -----------------------------
+    def _full(self, original: cst.Call, updated: cst.Call):
+        fill = get_arg(original, "fill_value", 1)
+        if fill is None or any(a.star for a in original.args) or get_arg(original, "dtype") is not None or \
+                get_arg(original, "out") is not None or not self._int_fill(fill.value):
+            return None
+        use = self._float_target(original)
+        if use is None:
+            return None
+        if use == "unsure":
+            self.report(original, "`torch.full` with an integer fill value makes an int64 tensor (since torch 1.7): "
+                                  "if it is a float label for the loss it reaches, pass `dtype=torch.float`",
+                        review=True)
+            return None
+        self.report(original, f"`torch.full` with an integer fill value makes an int64 tensor since torch 1.7; "
+                              f"{use} needs a float target: `dtype=torch.float`")
+        if not self.fixing:
+            return None
+        return with_args(updated, [*updated.args, keyword_arg("dtype", torch_name(self.ctx, "float"))])
+
+    def _int_fill(self, value: cst.BaseExpression) -> bool:
+        """`1`, `-1`, or a name every binding of which is an integer literal (`real_label = 1`)."""
+        if _int_literal(value):
+            return True
+        if not isinstance(value, cst.Name):
+            return False
+        s = script_model(self.ctx).s
+        bindings = s.all_bindings(value.value, s.scope(value))
+        return bool(bindings) and all(b.how == "assign" and isinstance(b.value, cst.BaseExpression) and
+                                      _int_literal(b.value) for b in bindings)
+
+    def _float_target(self, call: cst.Call) -> Optional[str]:
+        """Where the tensor goes: the loss (as the script names it) that provably takes it as its
+        target, "unsure" where it is the target of a call named like a loss that the
+        migration cannot identify, None where it goes nowhere like that."""
+        s = script_model(self.ctx).s
+        unsure = False
+        for holder in self._holders(s, call, 0):
+            parent = s.parent(holder)
+            grand = s.parent(parent) if isinstance(parent, cst.Arg) else None
+            if not isinstance(grand, cst.Call) or not self._target_arg(grand, parent):
+                continue
+            func = grand.func
+            if self.qualify(func) in FLOAT_LOSS_FUNCTIONS or constructed_from(
+                    script_model(self.ctx), self.qualify, func, FLOAT_LOSS_CLASSES):
+                return f"`{' '.join(self.ctx.module.code_for_node(func).split())}`"
+            name = dotted(func.func if isinstance(func, cst.Call) else func) or ""
+            if _LOSS_NAME.search(name.rsplit(".", 1)[-1]) and self.qualify(func) is None and not constructed_from(
+                    script_model(self.ctx), self.qualify, func, _TorchLoss()):
+                unsure = True  # not a loss of torch's own that takes indices (`CrossEntropyLoss`)
+        return "unsure" if unsure else None
+
+    @staticmethod
+    def _target_arg(call: cst.Call, arg: cst.Arg) -> bool:
+        if arg.keyword is not None:
+            return arg.keyword.value == "target"
+        return not arg.star and len(call.args) > 1 and call.args[1] is arg
+
+    def _holders(self, s, expr: cst.BaseExpression, depth: int) -> List[cst.BaseExpression]:
+        """`expr` itself and every later read of a name it is bound to (`label = torch.full(...)`
+        ... `crit(out, label)`), through `label = label.to(device)`-style rebindings."""
+        out = [expr]
+        while True:  # `torch.full(...).to(device)`: the same tensor, moved
+            above = s.parent(expr)
+            call = s.parent(above) if isinstance(above, cst.Attribute) and above.attr.value in _SAME_TENSOR else None
+            if not (isinstance(call, cst.Call) and call.func is above):
+                break
+            expr = call
+            out.append(expr)
+        parent = s.parent(expr)
+        if depth > 3 or not (isinstance(parent, cst.Assign) and parent.value is expr and len(parent.targets) == 1
+                             and isinstance(parent.targets[0].target, cst.Name)):
+            return out
+        name = parent.targets[0].target.value
+        for node in s.index.of(cst.Name):
+            if node.value != name or s.order(node) <= s.order(parent) or node is parent.targets[0].target:
+                continue
+            stmt = s.statement(node)
+            _, bindings = s.lookup(name, s.scope(node), s.order(stmt) if stmt is not None else NEVER)
+            if not any(b.stmt is parent for b in bindings):
+                continue
+            out.append(node)
+            above = s.parent(node)
+            if isinstance(above, cst.Attribute) and above.value is node and above.attr.value in _SAME_TENSOR:
+                call = s.parent(above)
+                if isinstance(call, cst.Call) and call.func is above:
+                    out.extend(self._holders(s, call, depth + 1)[1:])
+        return out
 
     def _reduction(self, original: cst.Call, updated: cst.Call, qualified: Optional[str]):
         if not qualified or not (qualified.startswith("torch.nn.functional.") or
