@@ -23,7 +23,8 @@ entry, in a scratch copy of its files (the script and the sibling modules it imp
    - sync-only: identical parameters, data not sharded (each rank trains on all of it);
    - independent: the ranks end with different parameters (silently wrong unless a review item
      said so: the notes say which);
-   - declined: gpumigrate said it would not make the script data-parallel (the reason quoted);
+   - declined: the ranks end with different parameters, and gpumigrate said it would not make
+     the script data-parallel (the reason quoted);
    - crash: the migration or the ddp run failed (the notes say whether the device baseline
      failed too: a crash the original does not have is the bad kind);
    - no training: gpumigrate found no training (evaluation or helper file).
@@ -333,13 +334,12 @@ def classify(rec: dict) -> None:
     elif not stepped:
         rec["outcome"] = "no training"
         rec["reason"] = "the run ended without an optimizer step" + ("" if opt["count"] else " (no optimizer built)")
-    elif all(opt["identical"]):
-        if declined:
-            rec["outcome"], rec["reason"] = "declined", _short(declined[0])
-        elif rec["sharding"]["sharded"]:
+    elif all(opt["identical"]):  # one model on every rank: what gpumigrate said does not change that
+        if rec["sharding"]["sharded"]:
             rec["outcome"], rec["reason"] = "data-parallel", rec["sharding"]["why"]
         else:
-            rec["outcome"], rec["reason"] = "sync-only", prefix + rec["sharding"]["why"]
+            rec["outcome"], rec["reason"] = "sync-only", prefix + rec["sharding"]["why"] + (
+                "; review said so: " + _short(declined[0]) if declined else "")
     else:
         diff = [i for i, same in enumerate(opt["identical"]) if not same]
         known = [d for d in opt["max_abs_diff"] if d is not None]
