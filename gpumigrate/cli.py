@@ -590,6 +590,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def _summary(results: List["FileResult"], changed: List["FileResult"], failed: int, dry: bool) -> None:
+    from gpumigrate.rewriter.report import not_applied
+
     edits = sum(1 for r in changed for f in r.findings if f.fixed)
     review = sum(1 for r in results if not r.error for f in r.findings if not f.fixed)
     verb = "would change" if dry else "changed"
@@ -599,6 +601,8 @@ def _summary(results: List["FileResult"], changed: List["FileResult"], failed: i
         parts.append(f"{unchanged} unchanged")
     if failed:
         parts.append(_plural(failed, "error"))
+    for target, count in sorted(not_applied(results).items()):  # asked for, not given: never only in a list
+        parts.append(f"--to {target} not applied to {_plural(count, 'file')} (see the review items)")
     _err(", ".join(parts))
 
 

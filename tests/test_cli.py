@@ -216,6 +216,45 @@ def test_ddp_report_markdown_and_json(run, tmp_script, tmp_path):
         len(g["original_lines"]) for g in entry["review"])
 
 
+INFERENCE = "import torch\nmodel = torch.nn.Linear(2, 2).cuda()\nprint(model(torch.randn(1, 2).cuda()))\n"
+LONE_TRAINER = ("import torch\n\n\ndef train(model, opt, x):\n    model(x).sum().backward()\n"
+                "    opt.step()\n")
+FP16_CLOSURE = ("import torch\nmodel = torch.nn.Linear(2, 1)\nopt = torch.optim.LBFGS(model.parameters())\n"
+                "x = torch.randn(4, 2)\n\n\ndef closure():\n    opt.zero_grad()\n    loss = model(x).sum()\n"
+                "    loss.backward()\n    return loss\n\n\nopt.step(closure)\n")
+
+
+def test_a_target_not_applied_is_said_in_the_summary_and_the_report(run, tmp_script, tmp_path):
+    """Issue 18: a file that does not get the target asked for is never only one review line
+    among many: the summary line and the report count it."""
+    import json
+    inference, lone = tmp_script(INFERENCE, "infer.py"), tmp_script(LONE_TRAINER, "engine.py")
+    trains = tmp_script(DDP_SCRIPT, "train.py")
+    result = run(inference, lone, trains, "--to", "ddp", "--diff", "--report", tmp_path / "r.json")
+    assert result.exit_code == 0
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.endswith("--to ddp not applied to 2 files (see the review items)"), summary
+    assert "engine.py:1:1: GM400 review by hand: this module trains" in result.stderr
+    assert "infer.py:1:1: GM400 review by hand: no training found" in result.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["summary"]["not_applied"] == {"ddp": 2}
+    assert {f["path"].rsplit("/", 1)[-1]: f["not_applied"] for f in data["files"]} == {
+        "infer.py": ["ddp"], "engine.py": ["ddp"], "train.py": []}
+    run(inference, lone, trains, "--to", "ddp", "--diff", "--report", tmp_path / "r.md")
+    report = (tmp_path / "r.md").read_text()
+    assert "; --to ddp not applied to 2 files." in report
+    assert report.count("**Not applied: --to ddp**") == 2
+    # amp: a training step it cannot place
+    closure = tmp_script(FP16_CLOSURE, "lbfgs.py")
+    result = run(closure, "--to", "amp", "--diff")
+    assert "--to amp not applied to 1 file" in result.stderr.strip().splitlines()[-1]
+
+
+def test_every_target_applied_says_nothing_more(run, tmp_script):
+    result = run(tmp_script(DDP_SCRIPT), "--to", "ddp", "--diff")
+    assert "not applied" not in result.stderr
+
+
 def test_ddp_sync_bn(run, tmp_script):
     path = tmp_script(DDP_SCRIPT)
     assert run(path, "--to", "ddp", "--sync-bn").exit_code == 0

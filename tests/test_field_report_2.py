@@ -534,7 +534,6 @@ for (x,) in loader:
 '''
 
 
-@todo("also seen: `nn.DataParallel` is deleted where nothing is DDP-wrapped, and the report does not say so")
 def test_dataparallel_removed_without_a_ddp_wrap_is_reported():
     text, result = _static(DATAPARALLEL_GP, "ddp")
     review, _ = _findings(result)

@@ -124,7 +124,8 @@ class AmpSetup(Rule):
         model = script_model(self.ctx)
         if self.plan.why_not is not None:
             where = model.backward_calls[0] if model.backward_calls else node
-            self.report(where, f"no mixed precision, the training is left as it is: {self.plan.why_not}", review=True)
+            self.report(where, f"no mixed precision, the training is left as it is: {self.plan.why_not}", review=True,
+                        not_applied="amp")
             return
         if not self.plan.active:
             return

@@ -69,11 +69,13 @@ class Rule:
         return self.code in self.ctx.fixing
 
     def report(self, node: cst.CSTNode, message: Optional[str] = None, *, review: bool = False,
-               through: Optional[cst.CSTNode] = None) -> None:
+               through: Optional[cst.CSTNode] = None, not_applied: str = "") -> None:
         """Report `node` (of the original tree). `review`: no safe fix here, a human must look.
-        `through`: the fix spans statements up to this one."""
+        `through`: the fix spans statements up to this one. `not_applied`: the target (`ddp`)
+        this review item says the file does not get (the summary line counts those files)."""
         fixable = bool(self.fixed_in) and not review
-        self.ctx.report(self.code, node, message or self.message, fixed=fixable, review=review, through=through)
+        self.ctx.report(self.code, node, message or self.message, fixed=fixable, review=review, through=through,
+                        not_applied=not_applied)
 
     def qualify(self, node: cst.BaseExpression) -> Optional[str]:
         return self.ctx.names.qualify(node)

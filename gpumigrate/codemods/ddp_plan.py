@@ -131,6 +131,7 @@ class DdpPlan:
         self.model = script_model(ctx)
         self.reviews: List[Tuple[cst.CSTNode, str]] = []
         self.notes: List[Tuple[cst.CSTNode, str]] = []  # decisions a reviewer should know about
+        self.declined: Set[str] = set()  # review messages that say the file does not get --to ddp
         self._wrapped_memo: Dict[int, bool] = {}
         self._visited: Optional[Set[Tuple[str, int]]] = None  # the walk of wrapped_reference
 
@@ -185,23 +186,42 @@ class DdpPlan:
             return False
         if self.driver:
             for link in self.trained_in:
-                (self.notes if link.in_run else self.reviews).append((self.ctx.module.body[0], (
-                    f"training happens in {link.path}: migrated with this script as one program" if link.in_run
-                    else f"training happens in {link.path}, which this run does not migrate: migrate it too "
-                         "(`gpumigrate <its folder> --to ddp`), or each rank trains alone")))
+                if link.in_run:
+                    self.notes.append((self.ctx.module.body[0], f"training happens in {link.path}: migrated with "
+                                                                "this script as one program"))
+                else:
+                    self._decline(self.ctx.module.body[0], f"training happens in {link.path}, which this run does "
+                                  "not migrate: migrate it too (`gpumigrate <its folder> --to ddp`), or each rank "
+                                  "trains alone")
             return True
         if not self.model.has_training:
             first = self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module
-            self.reviews.append((first, "no training found (no `.backward()` or `optimizer.step()`): nothing to "
-                                        "distribute, so --to ddp made only the device changes; run it with python"))
+            self._decline(first, "no training found (no `.backward()` or `optimizer.step()`): nothing to distribute, "
+                                 "so --to ddp made only the device changes; run it with python")
             return False
         if self.entry is None:
             for link in self.drivers:
                 if not link.in_run:
-                    self.reviews.append((self.ctx.module.body[0], f"this module trains for {link.path}, which this "
-                                         "run does not migrate: migrate it too (`gpumigrate <its folder> --to ddp`): "
-                                         "it must call setup_distributed() first"))
+                    self._decline(self.ctx.module.body[0], f"this module trains for {link.path}, which this run "
+                                  "does not migrate: migrate it too (`gpumigrate <its folder> --to ddp`): it must "
+                                  "call setup_distributed() first, or each rank trains alone")
         return True
+
+    def _decline(self, where: cst.CSTNode, why: str) -> None:
+        self.reviews.append((where, why))
+        self.declined.add(why)
+
+    @cached_property
+    def lone_trainer(self) -> Optional[str]:
+        """Why a module that trains but is no script, and that no script of this run
+        imports, gets only the device changes (None: not such a module)."""
+        if self.script or not self.model.uses_torch or not self.model.has_training:
+            return None
+        why = ("this module trains (`.backward()`), but running it runs nothing, and no script beside it imports it: "
+               "--to ddp made only the device changes; migrate it with the script that runs it "
+               "(`gpumigrate <their folder> --to ddp`)")
+        self.declined.add(why)
+        return why
 
     # -- models --------------------------------------------------------------------------
     @cached_property
@@ -1335,15 +1355,19 @@ class DdpPlan:
         items = list(self.reviews)
         if not self.model.optimizers and not self.driver:
             first = (self.model.backward_calls or self.model.step_calls)[0]
-            items.append((first, "training found, but no torch.optim optimizer (updates by hand?): nothing is "
-                                 "averaged across ranks and the data is not sharded, so each rank trains by itself "
-                                 "as one process would; rank 0 prints and saves"))
+            why = ("training found, but no torch.optim optimizer (updates by hand?): nothing is averaged across "
+                   "ranks and the data is not sharded, so each rank trains by itself as one process would; rank 0 "
+                   "prints and saves")
+            self.declined.add(why)
+            items.append((first, why))
         if self.shard_training and not any(l.role in ("train", "flag") for l in self.model.loaders) \
                 and not self.foreign_loaders and not self._rebuilt_loaders:
             first = (self.model.backward_calls or self.model.step_calls)[0]
-            items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded, so every rank "
-                                 "trains on the same batches (correct, but no faster); shard the index range by "
-                                 "get_rank()/get_world_size() by hand"))
+            items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded; every rank "
+                                 "draws its batches as the script does (the same ones where their order is seeded alike, "
+                                 "others where it is not) and the gradients are averaged, so the ranks keep one model "
+                                 "(correct, but no faster); shard the index range by get_rank()/get_world_size() by "
+                                 "hand"))
         for loader in self.model.loaders:
             edit = self.sharded(loader.call)
             batch = call_argument(loader.call, "batch_size", 1)

@@ -135,6 +135,8 @@ class DdpSetup(Rule):
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = ddp_plan(self.ctx)
         if not self.plan.script:
+            if self.plan.lone_trainer:
+                self.report(self.ctx.module.body[0], self.plan.lone_trainer, review=True, not_applied="ddp")
             return
         self.plan.active  # noqa: B018  (decides, and records why not)
         if self.plan.active:
@@ -145,13 +147,13 @@ class DdpSetup(Rule):
             if self.fixing:
                 self._setup()
             for where, why in self.plan.review_items():
-                self.report(where, why, review=True)
+                self.report(where, why, review=True, not_applied="ddp" if why in self.plan.declined else "")
             if not self._set_up():  # said when the migration is made, not again by a second run
                 for where, why in [*self.plan.averaging(), *self.plan.notes]:
                     self.report(where, why)
         else:
             for where, why in self.plan.reviews:
-                self.report(where, why, review=True)
+                self.report(where, why, review=True, not_applied="ddp" if why in self.plan.declined else "")
 
     def _set_up(self) -> bool:
         """The script calls setup_distributed() already (an earlier run, or its own)."""
@@ -337,6 +339,12 @@ class DataParallelWrapper(Rule):
                 self.report(original, review=True)
                 return None
             self.report(original)
+            plan = ddp_plan(self.ctx)
+            if self.fixing and plan.active and not plan.wraps:
+                self.report(original, "`nn.DataParallel` removed and no model is DDP-wrapped here (the gradients are "
+                                      "averaged at each optimizer step instead): `python script.py` now trains on one "
+                                      "GPU; run it under torchrun (`--nproc_per_node=<GPUs>`) to use them all",
+                            review=True)
             value = module.value
             return value if isinstance(value, cst.BinaryOperation) else value.with_changes(lpar=[], rpar=[])
         # a checkpoint written by the DataParallel script has `module.` keys

@@ -53,6 +53,9 @@ class Finding:
     # In a notebook: the 1-based position of the cell among all cells; line and end_line are
     # then lines of that cell. 0: a plain file.
     cell: int = 0
+    # The target (a `--to` name) this finding says was not applied to the file, and why
+    # (no training to distribute, say): the summary line and the report count those files.
+    not_applied: str = ""
 
 
 @dataclass
@@ -84,6 +87,7 @@ class _Report:
     col: int = 0
     end_line: int = 0
     through: Optional[cst.CSTNode] = None  # the finding spans up to the end of this node
+    not_applied: str = ""
 
 
 _CODES = r"(?::\s*(?P<codes>[A-Z]+[0-9]*(?:[\s,]+[A-Z]+[0-9]*)*))?"
@@ -517,10 +521,11 @@ class FileContext:
         return "noqa" in self.text.lower()
 
     def report(self, code: str, node: cst.CSTNode, message: str, *, fixed: bool, review: bool,
-               through: Optional[cst.CSTNode] = None) -> None:
+               through: Optional[cst.CSTNode] = None, not_applied: str = "") -> None:
         """Record a finding at `node` (a node of the original tree), spanning to the end of
-        `through` when a fix covers several statements."""
-        self.reports.append(_Report(code, node, message, fixed, review, through=through))
+        `through` when a fix covers several statements. `not_applied`: the target this
+        finding says the file did not get."""
+        self.reports.append(_Report(code, node, message, fixed, review, through=through, not_applied=not_applied))
 
     def add_import(self, module: str, name: Optional[str] = None, asname: Optional[str] = None) -> None:
         if (module, name, asname) not in self.imports_to_add:
@@ -1118,7 +1123,8 @@ def _findings(ctx: FileContext) -> List[Finding]:
                                                            else (line, line))):
             continue
         fixed = rep.fixed and (rep.code in ctx.fixing or (rep.node is None and bool(ctx.fixing)))
-        out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end))
+        out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end,
+                           not_applied=rep.not_applied))
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out
 

@@ -365,6 +365,15 @@ def _grouped(findings: Sequence[Finding], where: Callable[[Finding], Position]) 
     return list(groups.values())
 
 
+def not_applied(results: Sequence[Any]) -> Dict[str, int]:
+    """target -> how many files a review item says did not get it."""
+    counts: Dict[str, int] = {}
+    for r in results:
+        for target in {f.not_applied for f in r.findings if f.not_applied and not r.error}:
+            counts[target] = counts.get(target, 0) + 1
+    return counts
+
+
 def migration_report(results: Sequence[Any], target: str, *, json_format: bool = False, written: bool = True) -> str:
     """What changed and what needs a human, per file, with counts first. Line numbers point
     into the migrated file (the one the user now edits); identical items are grouped."""
@@ -374,6 +383,7 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
         files.append({
             "path": r.path, "changed": bool(r.changed and not r.error), "error": r.error,
             "edits": sum(1 for f in r.findings if f.fixed),
+            "not_applied": sorted({f.not_applied for f in r.findings if f.not_applied and not r.error}),
             "review": _grouped([f for f in r.findings if not f.fixed], where),
             "fixed": _grouped([f for f in r.findings if f.fixed], where),
         })
@@ -382,13 +392,16 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
         "edits": sum(f["edits"] for f in files if f["changed"]),
         "review": sum(len(g["original_lines"]) or 1 for f in files for g in f["review"]),
         "errors": sum(1 for f in files if f["error"]),
+        "not_applied": not_applied(results),
     }
     if json_format:
         return json.dumps({"target": target, "written": written, "line_numbers": "migrated file",
                            "summary": totals, "files": files}, indent=2) + "\n"
     out = [f"# gpumigrate --to {target}: migration report", "",
            f"{_count(totals['files'], 'file')}: {totals['changed']} changed ({_count(totals['edits'], 'edit')}), "
-           f"{_count(totals['review'], 'item')} to review by hand, {_count(totals['errors'], 'error')}.", "",
+           f"{_count(totals['review'], 'item')} to review by hand, {_count(totals['errors'], 'error')}"
+           + "".join(f"; --to {t} not applied to {_count(n, 'file')}" for t, n in sorted(totals["not_applied"].items()))
+           + ".", "",
            "Line numbers are those of the migrated file" + ("" if written else " (not written: --diff/--check)")
            + "; the original's follow in parentheses where they differ.", ""]
     for f in files:
@@ -396,6 +409,8 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
         if f["error"]:
             out += [f"- error: {f['error']}", ""]
             continue
+        if f["not_applied"]:
+            out += [f"**Not applied: {', '.join('--to ' + t for t in f['not_applied'])}** (the review items say why)", ""]
         for title, key in (("Review by hand", "review"), ("Changed", "fixed")):
             if f[key]:
                 out += [f"### {title}", ""] + [_item(g) for g in f[key]] + [""]
