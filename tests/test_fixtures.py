@@ -24,7 +24,8 @@ TARGETS = ("device", "ddp")
 # their migrated versions must print exactly the same losses.
 # (`mem_fp16_batchnorm.py` runs too, but BatchNorm in float32 rightly changes its numbers.)
 RUNS_ON_CPU = {"agnostic.py": [], "dcgan_gan.py": [], "mnist_2019.py": ["--no-cuda"], "mem_total_loss.py": [],
-               "mem_loss_logger.py": [], "mem_eval_no_grad.py": [], "mem_oom_skip.py": [], "eval_only.py": []}
+               "mem_loss_logger.py": [], "mem_eval_no_grad.py": [], "mem_oom_skip.py": [], "eval_only.py": [],
+               "distributed_flag.py": [], "hf_local_rank.py": ["--do_train", "--do_eval"]}
 # Scripts the device target must leave byte for byte as they are (already device-agnostic, or
 # with only report-only findings).
 UNCHANGED = {"agnostic.py": "no findings", "amp_apex_gan.py": "no findings", "amp_torch_cuda_amp.py": "no findings", "mem_oom_skip.py": "review only", "functional_maml.py": "no findings",

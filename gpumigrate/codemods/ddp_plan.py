@@ -19,6 +19,7 @@ import libcst as cst
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
+from gpumigrate.analysis.launch import DISTRIBUTED_SAMPLERS, Torchrun
 from gpumigrate.analysis.model import Loader, TrainedModel
 from gpumigrate.analysis.structure import Function, dotted, target_names
 from gpumigrate.analysis.syntax import runtime_helper
@@ -66,6 +67,9 @@ class LoaderEdit:
     eval_sharded: bool = False
     problem: Optional[str] = None  # why the sampler cannot be added here: reported, nothing edited
     hoist: bool = False  # the dataset is built inline: it gets a name of its own first
+    # the script's own DistributedSampler, behind a condition torchrun may not meet: the loader
+    # is rebuilt with shard_loader, which keeps that sampler where it is taken
+    rebuild: bool = False
 
 
 def ddp_plan(ctx) -> "DdpPlan":
@@ -285,11 +289,11 @@ class DdpPlan:
     def _wrap_point(self, model: TrainedModel) -> Optional[Wrap]:
         """Right before the statement that builds the model's optimizer, after the model
         reached its device; when the optimizer is built elsewhere (a function of its own),
-        right after the model's last binding or move."""
-        for b in self._bindings(model):
-            value = b.value
-            if isinstance(value, cst.Call) and (self.model.qualify(value.func) or "").endswith(
-                    ("wrap_model", "DistributedDataParallel")):
+        right after the model's last binding or move. None where the script wraps it already,
+        on a path torchrun takes; a wrap of its own that torchrun may not reach (`if
+        args.distributed:`) gets ours too (wrap_model leaves a DDP as it is)."""
+        for b in self._own_wraps(model):
+            if self._taken(b):
                 return Wrap(model.name, False, self.s.line(b.stmt), existing=True)
         anchors = []
         for opt in model.optimizers:
@@ -335,6 +339,33 @@ class DdpPlan:
     def _is_target(self, node: cst.CSTNode) -> bool:
         parent = self.s.parent(node)
         return isinstance(parent, (cst.AssignTarget, cst.Global)) or isinstance(parent, cst.NameItem)
+
+    def _own_wraps(self, model: TrainedModel) -> List[Any]:
+        """The bindings that wrap `model` (`model = DistributedDataParallel(model, ...)`, or
+        wrap_model): where it is bound, or, in the function that builds its optimizer, of the
+        parameter it is handed as (`def train(args, model)` of the transformers examples)."""
+        bindings = list(self._bindings(model))
+        for opt in model.optimizers:
+            scope = self.s.scope(opt.call)
+            if scope is not model.scope:
+                bindings += [b for name in scope.params for b in scope.bindings.get(name, ())
+                             if isinstance(b.value, cst.Call) and b.value.args
+                             and dotted(b.value.args[0].value) == name]
+        return [b for b in bindings if b.how == "assign" and isinstance(b.value, cst.Call) and
+                (self.model.qualify(b.value.func) or "").endswith(("wrap_model", "DistributedDataParallel"))]
+
+    def _taken(self, wrap: Any) -> bool:
+        """A wrap that holds under torchrun: wrap_model anywhere (an earlier run's, which went
+        where the model is made, or a DDP of the script's that GM413 turned into one once its
+        condition was weighed), or a DDP on a path torchrun provably takes."""
+        return runtime_helper(self.model.qualify(wrap.value.func)) == "wrap_model" or \
+            self.torchrun.unmet(wrap.stmt) is None
+
+    @cached_property
+    def torchrun(self) -> Torchrun:
+        """The script's conditions under torchrun, its launcher options with the defaults
+        GM405 gives them."""
+        return Torchrun(self.model, env_defaults="GM405" in self.ctx.fixing)
 
     def _bindings(self, model: TrainedModel):
         if model.name.startswith("self."):
@@ -452,6 +483,11 @@ class DdpPlan:
                     edits[id(loader.call)] = LoaderEdit("eval", eval_sharded=True)
         for call_id, edit in edits.items():
             loader = next(l for l in self.model.loaders if id(l.call) == call_id)
+            own = self._own_samplers(loader.call) if edit.kind == "train" else []
+            if own:  # the script shards it itself where torchrun takes that path; elsewhere, we do
+                taken = any(self.torchrun.unmet(c) is None for c in own) or self._in_shard_loader(loader.call)
+                edit.problem, edit.rebuild = ("already sharded", False) if taken else (None, True)
+                continue
             edit.problem, edit.hoist = self._sampler_problem(loader.call)
             if edit.problem is None and self._already_sharded(loader.call):
                 edit.problem = "already sharded"
@@ -461,6 +497,45 @@ class DdpPlan:
         """The edit of a DataLoader call that gets a distributed sampler, or None."""
         edit = self.loader_edits.get(id(call))
         return edit if edit is not None and edit.problem is None else None
+
+    def _own_samplers(self, call: cst.Call) -> List[cst.Call]:
+        """The script's own DistributedSampler calls that may be this DataLoader's sampler:
+        `sampler=s` where `s` is bound to one on some path, or a conditional expression with one."""
+        given = call_argument(call, "sampler", 3)
+        values = [given] if given is not None else []
+        if isinstance(given, cst.Name):
+            values = [b.value for b in self.s.all_bindings(given.value, self.s.scope(given)) if b.how == "assign"]
+        return [c for value in values for c in self.s.inside(value, cst.Call)
+                if self.model.qualify(c.func) in DISTRIBUTED_SAMPLERS]
+
+    def _in_shard_loader(self, call: cst.Call) -> bool:
+        """`shard_loader(DataLoader(...))`: rebuilt by an earlier run."""
+        arg = self.s.parent(call)
+        outer = self.s.parent(arg) if isinstance(arg, cst.Arg) else None
+        return isinstance(outer, cst.Call) and runtime_helper(self.model.qualify(outer.func)) == "shard_loader"
+
+    def _own_path(self) -> List[Tuple[cst.CSTNode, str]]:
+        """One line for a script whose own distributed path (its DDP wrap, its
+        DistributedSampler) sits behind a condition torchrun does not provably meet."""
+        blocked = []
+        for model in self.model.trained_models:
+            own = self._own_wraps(model)
+            if own and not any(self._taken(b) for b in own):
+                blocked.append(self.torchrun.unmet(own[0].stmt))
+        for loader in self.model.loaders:
+            own = self._own_samplers(loader.call) if loader.role == "train" else []
+            if own and all(self.torchrun.unmet(c) is not None for c in own):
+                blocked.append(self.torchrun.unmet(own[0]))
+        if not blocked or not self.shard_training:
+            return []
+        test, needed = blocked[0]
+        code = " ".join(self.ctx.module.code_for_node(test).split())
+        flag = self.torchrun.store_flag(test) if needed else None
+        how = f"pass `{flag}` under torchrun to take it" if flag else \
+            f"it is taken where `{code}` is {'true' if needed else 'false'}"
+        return [(test, f"this script has its own distributed path behind `{code}`, which torchrun alone does not "
+                       f"take: {how}; without it the model is wrapped by wrap_model and the training data sharded "
+                       "by shard_loader, so the ranks still train one model on their own shards")]
 
     def _already_sharded(self, call: cst.Call) -> bool:
         given = call_argument(call, "sampler", 3) or call_argument(call, "batch_sampler", 4)
@@ -714,11 +789,13 @@ class DdpPlan:
 
     def gated(self, node: cst.CSTNode, main_only: bool = False) -> bool:
         """Is `node` inside a branch that depends on the rank (the script's own `if rank == 0:`,
-        `if args.local_rank == 0:`)? `main_only`: a branch only the job's rank 0 takes."""
+        `if args.local_rank == 0:`)? `main_only`: a branch only the job's rank 0 takes. Not one
+        that every rank takes under torchrun (`if not args.distributed or dist.get_rank() == 0:`
+        without `--distributed`)."""
         test = _MAIN_RANK_TEST if main_only else _RANK0_TEST
         for ancestor in self.s.ancestors(node):
             if isinstance(ancestor, cst.If) and test.search(self.ctx.module.code_for_node(ancestor.test)) and \
-                    not self.s.index.contains(ancestor.test, node):
+                    not self.s.index.contains(ancestor.test, node) and self.torchrun.truth(ancestor.test) is not True:
                 return True
         return False
 
@@ -1177,7 +1254,7 @@ class DdpPlan:
         each consumption of a sharded training loader that does not itself iterate it, in the
         scope that holds the loader (following calls out of functions)."""
         out: Dict[int, List[str]] = {}
-        for loader, name, scope in self.sharded_holders:
+        for loader, name, scope in [*self.sharded_holders, *self._own_sampler_holders]:
             for consumer in loader.consumers:
                 if not consumer.trains or not isinstance(consumer.node, cst.For):
                     continue
@@ -1188,6 +1265,14 @@ class DdpPlan:
                     if name not in names:
                         names.append(name)
         return out
+
+    @cached_property
+    def _own_sampler_holders(self) -> List[Tuple[Loader, str, object]]:
+        """Training loaders the script shards itself (its DistributedSampler, on the path
+        torchrun takes): that sampler needs `set_epoch` as much as ours."""
+        return [(loader, name, scope) for loader in self.model.loaders
+                if getattr(self.loader_edits.get(id(loader.call)), "problem", None) == "already sharded"
+                and self._own_samplers(loader.call) for scope, name, _ in loader.holders]
 
     def _loops_around(self, node: cst.CSTNode, scope, skip: cst.CSTNode, depth: int) -> List[cst.CSTNode]:
         for ancestor in self.s.ancestors(node):
@@ -1411,6 +1496,7 @@ class DdpPlan:
         if seeds and self.shard_training:
             items.append((seeds[0], "every rank seeds the same: random augmentation and dropout repeat across "
                                     "ranks; add get_rank() to the seed if they should differ"))
+        items.extend(self._own_path())
         return items
 
     def _foreign_helpers(self) -> List[Tuple[cst.CSTNode, str]]:
@@ -1462,7 +1548,8 @@ class DdpPlan:
                 # `.cuda(i)`, and what the device pass made of it and of `torch.device("cuda", i)`
                 arg = node.args[0].value
                 if node.args[0].keyword is None and not (isinstance(arg, cst.Integer) and arg.value == "0") \
-                        and "local_rank" not in self.ctx.module.code_for_node(arg).lower():
+                        and "local_rank" not in self.ctx.module.code_for_node(arg).lower() \
+                        and not self.torchrun.is_none(arg):  # `--gpu` not passed: get_device() picks LOCAL_RANK's
                     out.append(node)
         return out
 

@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence
 import libcst as cst
 
 from gpumigrate.analysis import script_model
+from gpumigrate.analysis.launch import LAUNCHER_OPTIONS, launcher_variable, signed_int
 from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.codemods.base import Clean, Flagged, Rule
@@ -27,8 +28,6 @@ from gpumigrate.codemods.helpers import (
     is_method_call,
     keyword_arg,
     literal_bool,
-    literal_int,
-    literal_str,
     name_assigns,
     remove_statement,
     runtime_name,
@@ -454,6 +453,11 @@ class DistributedSamplerRule(Rule):
             if edit.problem != "already sharded":
                 self.report(original, edit.problem, review=True)
             return None
+        if edit.rebuild:
+            self.report(original, "training data sharded by the script's own DistributedSampler only behind its "
+                                  "condition: rebuilt for this rank (`shard_loader`, which keeps that sampler where "
+                                  "it is taken)")
+            return _call(self.ctx, "shard_loader", [cst.Arg(updated)], self.fixing)
         dataset = get_arg(updated, "dataset", 0)
         if edit.hoist:
             # `DataLoader(TensorDataset(x, y), ...)`: the sampler needs the dataset, so it gets a name first
@@ -687,34 +691,41 @@ class _Unwrap(cst.CSTTransformer):
 class LegacyLauncher(Rule):
     """
     ## What it does
-    Finds `--local_rank` / `--local-rank` arguments, set by the deprecated
-    `python -m torch.distributed.launch`.
+    Gives the launcher's own argparse options the values torchrun sets: `--local_rank` /
+    `--local-rank` (passed by the deprecated `python -m torch.distributed.launch`) default to
+    `LOCAL_RANK`, and in a script that uses torch.distributed, `--world-size`/`--world_size`
+    and `--rank` with a literal "not launched" default (-1, 0, 1) default to `WORLD_SIZE` and
+    `RANK`. The script's own default stays the fallback, so `python train.py` is unchanged.
 
     ## Why is this bad?
-    torchrun does not pass `--local_rank`; it sets the `LOCAL_RANK` environment variable.
-    A script that reads the argument puts every process on GPU 0.
+    torchrun passes none of them; it sets environment variables. A script that reads the
+    argument puts every process on GPU 0, and one that decides on `args.world_size > 1` or
+    `args.local_rank != -1` never takes its own distributed path (its DDP wrap, its
+    DistributedSampler): the ranks train on the same data.
 
     ## Example
     ```python
     parser.add_argument("--local_rank", type=int, default=0)
+    parser.add_argument("--world-size", default=-1, type=int)
     ```
 
     ## Use instead
     ```python
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    parser.add_argument("--world-size", default=int(os.environ.get("WORLD_SIZE", -1)), type=int)
     ```
     """
 
     code = "GM405"
     name = "legacy-launcher"
-    message = "`--local_rank` comes from the deprecated torch.distributed.launch; torchrun sets LOCAL_RANK"
+    message = "torchrun passes no `--local_rank`, `--rank` or `--world-size`: it sets LOCAL_RANK, RANK and WORLD_SIZE"
     fixed_in = frozenset({"ddp"})
-    triggers = ("local_rank", "local-rank")
+    triggers = tuple(LAUNCHER_OPTIONS)
 
-    # `.add_argument(...)` whose first argument is the plain string "--local_rank"/"--local-rank"
+    # `.add_argument(...)` whose first argument is the plain string of a launcher option
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_call("add_argument") and not facts.strings.isdisjoint(("--local_rank", "--local-rank"))
+        return facts.any_call("add_argument") and not facts.strings.isdisjoint(LAUNCHER_OPTIONS)
 
     examples = (
         Flagged(
@@ -725,33 +736,33 @@ class LegacyLauncher(Rule):
             "import os\nparser.add_argument('--local_rank', type=int, default=-1)\n",
             fixed="import os\nparser.add_argument('--local_rank', type=int, default=int(os.environ.get(\"LOCAL_RANK\", -1)))\n",
         ),
-        Clean("parser.add_argument('--rank', type=int, default=0)\n"),
+        Flagged(
+            "import os\nimport torch.distributed as dist\nparser.add_argument('--world-size', default=-1, type=int)\n"
+            "parser.add_argument('--rank', default=-1, type=int)\ndist.init_process_group('nccl')\n",
+            fixed="import os\nimport torch.distributed as dist\n"
+                  "parser.add_argument('--world-size', default=int(os.environ.get(\"WORLD_SIZE\", -1)), type=int)\n"
+                  "parser.add_argument('--rank', default=int(os.environ.get(\"RANK\", -1)), type=int)\n"
+                  "dist.init_process_group('nccl')\n",
+        ),
+        Clean("parser.add_argument('--rank', type=int, default=0)\n"),  # no torch.distributed: some other rank
+        Clean("import torch.distributed as dist\nparser.add_argument('--rank', type=int, default=8)\n"
+              "dist.init_process_group('nccl')\n"),
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
-        if not is_method_call(original, "add_argument") or not original.args:
-            return None
-        flag = literal_str(original.args[0].value)
-        if flag not in ("--local_rank", "--local-rank"):
-            return None
-        default = get_arg(updated, "default")
-        if default is not None and findall(default.value, m.SimpleString(value=m.MatchIfTrue(lambda v: "LOCAL_RANK" in v))):
+        variable = launcher_variable(original, self.ctx.text)
+        if variable is None:
             return None
         self.report(original)
         if self.fixing:
             self.ctx.add_import("os")
         # the script's own default stays the fallback: `-1` often means "not distributed"
-        fallback = _signed_int(default.value) if default is not None else None
-        value = cst.parse_expression(f'int(os.environ.get("LOCAL_RANK", {fallback if fallback is not None else 0}))')
-        args = [a for a in updated.args if a is not default]
-        return with_args(updated, [*args, keyword_arg("default", value)])
-
-
-def _signed_int(node: cst.BaseExpression) -> Optional[int]:
-    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
-        value = literal_int(node.expression)
-        return -value if value is not None else None
-    return literal_int(node)
+        default = get_arg(updated, "default")
+        fallback = signed_int(default.value) if default is not None else None
+        value = cst.parse_expression(f'int(os.environ.get("{variable}", {fallback if fallback is not None else 0}))')
+        if default is not None:  # in its place, so the line keeps its order
+            return updated.with_changes(args=[a.with_changes(value=value) if a is default else a for a in updated.args])
+        return with_args(updated, [*updated.args, keyword_arg("default", value)])
 
 
 def _loop_of(stmt: cst.CSTNode) -> Optional[cst.For]:
@@ -1342,3 +1353,68 @@ class ApexParallel(Rule):
             module = get_arg(updated, "module", 0)
             return _call(self.ctx, "wrap_model", [cst.Arg(module.value)] if module is not None else [], self.fixing)
         return updated.with_changes(func=cst.parse_expression(target), args=kept)
+
+
+# DistributedDataParallel's arguments that wrap_model takes or derives from the model itself
+_DDP_DEVICE_ARGS = ("device_ids", "output_device")
+
+
+class DdpDeviceIds(Rule):
+    """
+    ## What it does
+    Turns the script's own `DistributedDataParallel(model, device_ids=[...], output_device=...)`
+    (with at most `find_unused_parameters` besides) into `wrap_model(model)` (ddp migration).
+
+    ## Why is this bad?
+    `device_ids` names a GPU: DDP refuses it for a model on the CPU (torchrun with gloo), and
+    an index from `--gpu` or `--local_rank` must match where the model is. wrap_model takes
+    the model's own device (none on the CPU), and leaves a model wrapped already as it is.
+
+    ## Example
+    ```python
+    model = DistributedDataParallel(model, device_ids=[args.local_rank], output_device=args.local_rank)
+    ```
+
+    ## Use instead
+    ```python
+    model = wrap_model(model)  # from gpumigrate.runtime
+    ```
+    A call with other DDP options (`broadcast_buffers`, `bucket_cap_mb`, ...) is kept, and
+    runs on GPUs only.
+    """
+
+    code = "GM413"
+    name = "ddp-device-ids"
+    message = "DistributedDataParallel with `device_ids` runs on GPUs only; wrap_model takes the model's own device"
+    fixed_in = frozenset({"ddp"})
+    lint = False  # right on GPUs: a migration step
+    triggers = ("device_ids",)
+
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return "DistributedDataParallel" in facts.ids and super().gate(facts)
+
+    examples = (
+        Flagged("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=[rank], "
+                "output_device=rank, find_unused_parameters=True)\n",
+                fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\n"
+                      "model = wrap_model(net, find_unused_parameters=True)\n"),
+        Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net)\n"),
+        Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0], "
+              "broadcast_buffers=False)\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if self.qualify(original.func) not in DDP_CLASSES or not original.args or original.args[0].keyword \
+                or original.args[0].star:
+            return None
+        rest = original.args[1:]
+        given = [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
+                 for i, a in enumerate(rest)]
+        if not set(given) & set(_DDP_DEVICE_ARGS) or not set(given) <= {*_DDP_DEVICE_ARGS, "find_unused_parameters"}:
+            return None
+        self.report(original)
+        args = [cst.Arg(updated.args[0].value)]
+        args += [keyword_arg(a.keyword.value, a.value) for a in updated.args[1:]
+                 if a.keyword is not None and a.keyword.value == "find_unused_parameters"]
+        return _call(self.ctx, "wrap_model", args, self.fixing)
