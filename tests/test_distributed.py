@@ -280,3 +280,118 @@ def test_a_script_joining_the_group_itself_does_so_only_where_setup_did_not():
                  "    dist.init_process_group(backend='nccl', init_method='env://')\n"
                  "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN)
     assert "    if not dist.is_initialized():\n        dist.init_process_group(backend='nccl'" in out
+
+
+LAUNCHED = """\
+import fire
+
+
+def demo(save='out', epochs=2):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(train_set, batch_size=4, shuffle=True)
+    for epoch in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        torch.save(model.state_dict(), save + '/model.dat')
+    model.load_state_dict(torch.load(save + '/model.dat'))
+
+
+if __name__ == '__main__':
+    {launch}
+"""
+
+
+def test_a_function_handed_once_to_a_launcher_runs_once_per_rank():
+    """`fire.Fire(demo)`: every rank runs demo once, so the save in its loop is followed by a
+    barrier before the load reads the file back (practice corpus: efficient_densenet's demo.py,
+    where rank 1 read the checkpoint before rank 0 wrote it)."""
+    out, reviews = ddp(LAUNCHED.format(launch="fire.Fire(demo)"))
+    assert "            torch.save(unwrap_model(model).state_dict(), save + '/model.dat')\n        barrier()\n" in out
+    assert not any("no barrier was added" in r for r in reviews)
+
+
+@pytest.mark.parametrize("launch", ["for seed in range(2):\n        fire.Fire(demo)",
+                                    "fire.Fire(demo)\n    fire.Fire(demo)",
+                                    "if args.rank == 0:\n        fire.Fire(demo)"])
+def test_a_function_launched_any_other_way_is_not_taken_as_once_per_rank(launch):
+    out, reviews = ddp(LAUNCHED.format(launch=launch))
+    assert "barrier()" not in out
+    assert any("no barrier was added" in r for r in reviews)
+
+
+WRITER = """\
+import os
+from torch.utils.tensorboard import SummaryWriter
+
+
+class Runner:
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+        self.writer = SummaryWriter()
+        {use}
+
+    def train(self, loader):
+        for step, (x, y) in enumerate(loader):
+            self.opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            self.writer.add_scalar('loss', loss.item(), step)
+
+
+model = torch.nn.Linear(4, 1)
+Runner(model, torch.optim.SGD(model.parameters(), lr=0.1)).train(DataLoader(train_set, batch_size=4))
+"""
+
+
+def test_a_writer_read_on_every_rank_stays_on_every_rank():
+    """Practice corpus (SimCLR): `self.writer.log_dir` read in __init__ on every rank; a writer
+    made on rank 0 only is None there."""
+    out, _, notes = ddp(WRITER.format(use="self.log = os.path.join(self.writer.log_dir, 'train.log')"), notes=True)
+    assert "        self.writer = SummaryWriter()\n" in out
+    assert "            if is_main_process():\n                self.writer.add_scalar(" in out
+    assert any("`self.writer.log_dir` is read outside its writes" in n for n in notes)
+
+
+def test_a_writer_only_written_to_is_made_on_rank_0():
+    out, _ = ddp(WRITER.format(use="pass"))
+    assert "self.writer = SummaryWriter() if is_main_process() else None" in out
+
+
+PLOTS = """\
+import os
+import imageio
+import matplotlib.pyplot as plt
+
+if not os.path.isdir('results'):
+    os.mkdir('results')
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(train_set, batch_size=4, shuffle=True)
+for epoch in range(2):
+    for x, y in loader:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    plt.plot([epoch])
+    plt.savefig('results/epoch_%d.png' % epoch)
+{end}
+"""
+
+
+def test_files_read_back_are_waited_for_and_the_folder_test_is_rank_0s():
+    """Practice corpus (a DCGAN that makes a GIF of its epoch images at the end): rank 1 read
+    an image rank 0 had not written yet. The folder test would let rank 1 skip a barrier that
+    rank 0 waits in: rank 0 decides it for all."""
+    out, _ = ddp(PLOTS.format(end="images = [imageio.imread('results/epoch_%d.png' % e) for e in range(2)]"))
+    assert "if broadcast_object(not os.path.isdir('results')):\n    if is_main_process():\n" \
+           "        os.mkdir('results')\n    barrier()\n" in out
+    assert "    if is_main_process():\n        plt.savefig('results/epoch_%d.png' % epoch)\n    barrier()\n" in out
+
+
+def test_files_never_read_back_need_no_barrier():
+    out, _ = ddp(PLOTS.format(end="print('done')"))
+    assert "barrier" not in out and "broadcast_object" not in out

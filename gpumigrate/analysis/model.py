@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -668,6 +668,17 @@ class ScriptModel:
         no call of this file passes (a loader handed to a class from elsewhere). Each such
         expression can be rebuilt for the rank where it is bound (the runtime's
         `shard_loader`, which leaves anything but a DataLoader as it is, and says so)."""
+        return self._foreign_data[0]
+
+    @cached_property
+    def foreign_iterations(self) -> List[cst.BaseExpression]:
+        """Such data that evaluation reads too (`self.loader` of both train() and test()):
+        the expressions training iterates (`iter(data_loader)`), rebuilt there instead
+        (`shard_loader` gives the same rebuilt loader at every call)."""
+        return self._foreign_data[1]
+
+    @cached_property
+    def _foreign_data(self) -> Tuple[List[cst.BaseExpression], List[cst.BaseExpression]]:
         by_holder: Dict[Tuple[int, str], List[Consumption]] = {}
         for consumption in self._consumptions_found:
             holder = consumption.holder
@@ -678,25 +689,116 @@ class ScriptModel:
                 else self.s.lookup(holder.value, self.s.scope(holder))[0]
             by_holder.setdefault((id(key_scope), name), []).append(consumption)
         out: List[cst.BaseExpression] = []
+        evaluated: Set[int] = set()  # what evaluation reads too (`self.loader` of train() and test()): kept whole
+        for consumptions in by_holder.values():
+            if not all(c.trains for c in consumptions):
+                evaluated.update(id(v) for v in self._bound_values(consumptions[0].holder))
+        iterations: List[cst.BaseExpression] = []
         for consumptions in by_holder.values():
             if not all(c.trains for c in consumptions) or any(self.origins(c.holder) for c in consumptions):
                 continue
             values = self._bound_values(consumptions[0].holder)
-            if values and all(self._foreign(value) for value in values):
+            if not values or not all(self._foreign(value) for value in values):
+                continue
+            if all(id(value) not in evaluated for value in values):
                 out.extend(v for v in values if all(v is not o for o in out))
+            else:  # shared with evaluation: sharded where training iterates it
+                iterations.extend(self._iterated_here(consumptions))
+        return out, iterations
+
+    def _iterated_here(self, consumptions: List[Consumption]) -> List[cst.BaseExpression]:
+        """What training's own loops take batches from: `loader` in `for x in loader` or in
+        every `it = iter(loader)` that `next(it)` reads (none where a binding is anything else)."""
+        out: List[cst.BaseExpression] = []
+        for c in consumptions:
+            if isinstance(c.node, cst.For):
+                out.append(c.holder)
+                continue
+            if not isinstance(c.holder, cst.Name):
+                return []
+            for b in self.s.all_bindings(c.holder.value, self.s.scope(c.holder)):
+                value = b.value
+                if not (b.how == "assign" and isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and
+                        value.func.value == "iter" and len(value.args) == 1 and
+                        isinstance(value.args[0].value, (cst.Name, cst.Attribute))):
+                    return []
+                out.append(value.args[0].value)
+        return [e for k, e in enumerate(out) if all(e is not o for o in out[:k])]
+
+    @cached_property
+    def foreign_params(self) -> Dict[int, List[str]]:
+        """id(function) -> its parameters that only training loops consume, directly (`for x in
+        data_loader` in `def train(self, data_loader)`), in a function no call of this file
+        makes: a loader handed in by another module."""
+        out: Dict[int, List[str]] = {}
+        by_name: Dict[Tuple[int, str], List[Consumption]] = {}
+        for consumption in self._consumptions_found:
+            holder = consumption.holder
+            if isinstance(holder, cst.Name):
+                scope, _ = self.s.lookup(holder.value, self.s.scope(holder))
+                by_name.setdefault((id(scope), holder.value), []).append(consumption)
+        for consumptions in by_name.values():
+            holder = consumptions[0].holder
+            bindings = self.s.all_bindings(holder.value, self.s.scope(holder))
+            if not all(c.trains for c in consumptions) or len(bindings) != 1 or bindings[0].how != "param" \
+                    or any(self.origins(c.holder) for c in consumptions):
+                continue
+            fn = self.s.functions.get(id(bindings[0].scope.node))
+            if fn is not None and isinstance(fn.node, cst.FunctionDef) and self._handed_in(fn, holder.value, 0):
+                out.setdefault(id(fn.node), []).append(holder.value)
         return out
 
-    def _bound_values(self, holder: cst.BaseExpression) -> List[cst.BaseExpression]:
-        """What `holder` is assigned (None where one of its bindings is anything else)."""
+    def _handed_in(self, fn: Any, name: str, depth: int) -> bool:
+        """Parameter `name` of `fn` comes from another module: no call of this file makes `fn`,
+        or every call passes it a parameter of its own function that comes from one."""
+        if depth > 4:
+            return False
+        for call in fn.callers:
+            arg = call_argument(call, name, fn.position(name))
+            if arg is None or not isinstance(arg, cst.Name):
+                return False
+            bindings = self.s.all_bindings(arg.value, self.s.scope(arg))
+            outer = self.s.functions.get(id(bindings[0].scope.node)) if len(bindings) == 1 and \
+                bindings[0].how == "param" else None
+            if outer is None or not self._handed_in(outer, arg.value, depth + 1):
+                return False
+        return True
+
+    def _bound_values(self, holder: cst.BaseExpression, depth: int = 0) -> List[cst.BaseExpression]:
+        """What `holder` is assigned (none where one of its bindings is anything else), through
+        `data_loader = self.train_loader` and `data_iter = iter(data_loader)` to what those
+        are assigned."""
         scope = self.s.scope(holder)
         if isinstance(holder, cst.Attribute):
             cls = self.s.instance_class(holder.value, scope)
             bindings = cls.attrs.get(holder.attr.value, []) if cls is not None else []
         else:
             bindings = self.s.all_bindings(holder.value, scope)
-        if not bindings or any(b.how != "assign" or not isinstance(b.value, (cst.Call, cst.Name)) for b in bindings):
-            return []
-        return [b.value for b in bindings]
+        out: List[cst.BaseExpression] = []
+        for b in bindings:
+            if b.how != "assign":
+                return []
+            value = b.value
+            if isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "iter" \
+                    and len(value.args) == 1 and value.args[0].keyword is None and not value.args[0].star:
+                value = value.args[0].value
+                if not isinstance(value, (cst.Name, cst.Attribute)):
+                    return []
+            if isinstance(value, cst.Name) and value is not b.value:
+                through = value
+            elif isinstance(value, cst.Attribute) and (dotted(value) or "").count(".") == 1 and \
+                    (dotted(value) or "").startswith("self."):
+                through = value
+            elif isinstance(value, (cst.Call, cst.Name)):
+                out.append(value)
+                continue
+            else:
+                return []
+            inner = self._bound_values(through, depth + 1) if depth < 2 else []
+            if not inner:
+                return []
+            out.extend(v for v in inner if all(v is not o for o in out))
+        return out
 
     def _foreign(self, value: cst.BaseExpression) -> bool:
         """A call of another module's function, or a parameter no call of this file passes."""

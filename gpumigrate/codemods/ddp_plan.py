@@ -39,6 +39,14 @@ _LIBRARIES = frozenset({
     "gpumigrate", "gpumigrate_runtime", "transformers", "timm", "apex", "wandb", "tensorboardX", "visdom", "yaml", "h5py", "glob",
     "subprocess", "socket", "uuid", "typing", "io", "gc", "contextlib", "operator", "string", "struct", "signal",
 })
+# calls that read a file back (the other ranks must not read before rank 0 wrote it)
+_READERS = frozenset({"torch.load", "imageio.imread", "imageio.v2.imread", "imageio.v3.imread", "PIL.Image.open",
+                      "cv2.imread", "matplotlib.pyplot.imread", "matplotlib.image.imread", "numpy.load", "pickle.load",
+                      "json.load", "scipy.io.loadmat", "skimage.io.imread", "pandas.read_csv"})
+_FILESYSTEM_TESTS = ("os.path.", "os.listdir", "os.scandir", "glob.", "os.access", "os.stat")
+# torch.optim's optimizers, as a project's script calls them (`optim.Adam(...)`)
+_OPTIMIZER_CLASSES = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "ASGD", "LBFGS", "NAdam",
+                                "RAdam", "RMSprop", "Rprop", "SparseAdam"})
 _UNSAFE_METHODS = re.compile(r"^(train|test|eval|evaluate|validate|step|backward|run|fit|all_reduce|barrier|reduce.*|"
                              r"broadcast.*|gather.*|update|forward)$")
 _SAFE_CALLS = {"str", "int", "float", "len", "round", "abs", "min", "max", "sum", "repr", "format", "sorted", "list",
@@ -161,7 +169,8 @@ class DdpPlan:
     def script(self) -> bool:
         """Part of a program that uses torch: a script that runs code, or a module of its
         project that a script imports (a trainer class in solver.py: one program with it)."""
-        return self.model.uses_torch and (self.entry is not None or bool(self.drivers))
+        return self.model.uses_torch and (self.entry is not None or bool(self.drivers)) or self.driver  # one
+        # that imports no torch but drives a trainer module that does
 
     @cached_property
     def drivers(self) -> List[Any]:
@@ -199,6 +208,8 @@ class DdpPlan:
                                   "trains alone")
             return True
         if not self.model.has_training:
+            if self.entry is None or self.drivers and self.entry[0] == "module":
+                return False  # a module of the program (its models, its data) that a script imports: nothing to say
             first = self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module
             self._decline(first, "no training found (no `.backward()` or `optimizer.step()`): nothing to distribute, "
                                  "so --to ddp made only the device changes; run it with python")
@@ -235,6 +246,11 @@ class DdpPlan:
         out: List[Wrap] = []
         if self._double_backward:
             return out  # DDP cannot average gradients of a gradient: nothing is wrapped (a blocker)
+        if self.driver:
+            # its models train in code this file cannot read (`self.G.sample_latent()`, a gradient
+            # penalty, `trainer.G.state_dict()`): a DDP wrapper there is unproven; the step hooks
+            # average them whatever that code does
+            return out
         for model in self.model.trained_models:
             if model.loss_module:
                 continue
@@ -451,13 +467,32 @@ class DdpPlan:
         setup_distributed() installs (runtime/averaging.py). So the ranks train one model
         whatever the analysis could prove about the script's shape. Training by hand (no
         optimizer) has no step to average at: its data stays whole."""
-        return self.active and bool(self.model.optimizers)
+        return self.active and (bool(self.model.optimizers) or self._driven_by_optimizers)
+
+    @cached_property
+    def _driven_by_optimizers(self) -> bool:
+        """A trainer module, imported by scripts that build torch.optim optimizers and build
+        none itself: it steps theirs; the step hooks average them whatever they are."""
+        return not self.model.optimizers and any(set(link.calls) & _OPTIMIZER_CLASSES for link in self.drivers)
 
     # -- loaders -------------------------------------------------------------------------
     @cached_property
     def foreign_loaders(self) -> List[cst.BaseExpression]:
         """Training loaders made where this file cannot see: rebuilt per rank where bound."""
         return self.model.foreign_loaders if self.shard_training else []
+
+    @cached_property
+    def foreign_iterations(self) -> Set[int]:
+        """ids of what training iterates that evaluation's data is too: rebuilt there."""
+        return {id(e) for e in self.model.foreign_iterations} if self.shard_training else set()
+
+    @cached_property
+    def foreign_params(self) -> Dict[int, List[str]]:
+        """id(function) -> its parameters that are training loaders handed in from elsewhere
+        (`def train(self, data_loader, epochs)` called by the script): rebuilt per rank first
+        thing in the function (`shard_loader` gives the same rebuilt loader for the same loader
+        at every call, so its order still changes each epoch)."""
+        return self.model.foreign_params if self.shard_training else {}
 
     @cached_property
     def _rebuilt_loaders(self) -> bool:
@@ -841,7 +876,7 @@ class DdpPlan:
         """Functions every rank runs equally often: called only from such code, never from
         a rank-0 branch, a rank-local branch, or an output statement this plan gates."""
         gated = self.gated_functions
-        uniform: Set[int] = set()
+        uniform: Set[int] = {id(fn.node) for fn in self._launched_once}
         candidates = [fn for fn in self.s.functions.values() if fn.callers and id(fn.node) not in gated]
         changed = True
         while changed:
@@ -862,6 +897,26 @@ class DdpPlan:
                     uniform.add(id(fn.node))
                     changed = True
         return uniform
+
+    @cached_property
+    def _launched_once(self) -> List[Function]:
+        """Functions no call of this file makes, handed once to a launcher by module-level
+        code that every rank runs once (`fire.Fire(demo)`, `mp.spawn(main_worker, ...)`,
+        `app.run(main)`): each rank runs them once."""
+        out = []
+        for fn in self.s.functions.values():
+            if fn.callers or not isinstance(fn.node, cst.FunctionDef) or fn.cls is not None or any(
+                    isinstance(a, (cst.FunctionDef, cst.ClassDef)) for a in self.s.ancestors(fn.node)):
+                continue
+            refs = [n for n in self.s.index.order if isinstance(n, cst.Name) and n.value == fn.name
+                    and n is not fn.node.name]
+            if len(refs) != 1 or not isinstance(self.s.parent(refs[0]), cst.Arg):
+                continue
+            call = self.s.parent(self.s.parent(refs[0]))
+            if isinstance(call, cst.Call) and self.s.function(call) is None and self.locally_uniform(call) and \
+                    not self.gated(call) and not any(isinstance(a, (cst.For, cst.While)) for a in self.s.ancestors(call)):
+                out.append(fn)
+        return out
 
     @cached_property
     def gated_functions(self) -> Set[int]:
@@ -1178,7 +1233,58 @@ class DdpPlan:
         return any(isinstance(n, cst.Call) and self.model.qualify(n.func) == "torch.load" for n in self.s.index.order)
 
     def barrier_after(self, stmt: cst.CSTNode) -> bool:
-        return self.reloads and self.uniform(stmt)
+        return self.reloads and self.uniform(stmt) and not self._on_the_filesystem(stmt)
+
+    def _on_the_filesystem(self, stmt: cst.CSTNode) -> bool:
+        """Under a test of the filesystem (`if not os.path.isdir(d): os.mkdir(d)`) that rank 0
+        does not decide for all: its write changes what the others find, so they may not go
+        where it went."""
+        for ancestor in self.s.ancestors(stmt):
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
+                return False
+            if isinstance(ancestor, (cst.If, cst.While)) and self._tests_the_filesystem(ancestor) and \
+                    id(ancestor) not in self.decided_on_rank0:
+                return True
+        return False
+
+    def _tests_the_filesystem(self, node: cst.CSTNode) -> bool:
+        if isinstance(node.test, cst.Call) and runtime_helper(self.model.qualify(node.test.func)) == "broadcast_object":
+            return False  # decided on rank 0 already
+        return any((self.model.qualify(c.func) or "").startswith(_FILESYSTEM_TESTS) or
+                   isinstance(c.func, cst.Attribute) and c.func.attr.value in ("exists", "is_dir", "is_file", "glob")
+                   for c in self.s.inside(node.test, cst.Call))
+
+    @cached_property
+    def decided_on_rank0(self) -> Set[int]:
+        """`if not os.path.exists(path):` around a write that moves to rank 0, in a script that
+        reads files back, where every rank goes equally often: rank 0 decides the test for all
+        (`broadcast_object`), so every rank takes the branch and waits for the write there."""
+        out: Set[int] = set()
+        if not self.active or not self.reads_files:
+            return out
+        for node in self.s.index.order:
+            if isinstance(node, cst.If) and not node.orelse and self._tests_the_filesystem(node) and \
+                    self.uniform(node) and not any(
+                        isinstance(a, (cst.If, cst.While)) and self._tests_the_filesystem(a)
+                        for a in self.s.ancestors(node)) and any(
+                        self.model.output_call(c) == "save" and (id(self.s.line(c)) in self.gated_lines or
+                                                                self.saves_here(self.s.line(c)))
+                        for c in self.s.inside(node.body, cst.Call)):
+                out.add(id(node))
+        return out
+
+    @cached_property
+    def reads_files(self) -> bool:
+        """The script reads back files it may have written (images made into a GIF at the end,
+        a pickle): after a write on rank 0 the other ranks must wait for it."""
+        return self.reloads or any(isinstance(n, cst.Call) and (self.model.qualify(n.func) or "") in _READERS
+                                   for n in self.s.index.order)
+
+    def barrier_after_write(self, stmt: cst.CSTNode) -> bool:
+        """A file written on rank 0 (`plt.savefig`, `save_image`, `pickle.dump`) where every rank
+        goes equally often, in a script that reads files back: a barrier after it."""
+        return self.reads_files and any(self.model.output_call(c) == "save" for c in self.s.inside(stmt, cst.Call)) \
+            and self.uniform(stmt) and not self._on_the_filesystem(stmt)
 
     @cached_property
     def gated_withs(self) -> Set[int]:
@@ -1438,16 +1544,18 @@ class DdpPlan:
     def review_items(self) -> List[Tuple[cst.CSTNode, str]]:
         """Everything the migration could not prove, and the choices a human should check."""
         items = list(self.reviews)
-        if not self.model.optimizers and not self.driver:
-            first = (self.model.backward_calls or self.model.step_calls)[0]
+        first = (self.model.backward_calls or self.model.step_calls or self.ctx.module.body)[0]
+        # a driver's training, optimizers and data are its trainer module's to report; a trainer
+        # module's optimizers may be its script's
+        if not self.model.optimizers and not self.driver and not self._driven_by_optimizers:
             why = ("training found, but no torch.optim optimizer (updates by hand?): nothing is averaged across "
                    "ranks and the data is not sharded, so each rank trains by itself as one process would; rank 0 "
                    "prints and saves")
             self.declined.add(why)
             items.append((first, why))
-        if self.shard_training and not any(l.role in ("train", "flag") for l in self.model.loaders) \
-                and not self.foreign_loaders and not self._rebuilt_loaders:
-            first = (self.model.backward_calls or self.model.step_calls)[0]
+        if self.shard_training and not self.driver and not any(l.role in ("train", "flag") for l in self.model.loaders) \
+                and not self.foreign_loaders and not self.foreign_params and not self.foreign_iterations \
+                and not self._rebuilt_loaders:
             items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded; every rank "
                                  "draws its batches as the script does (the same ones where their order is seeded alike, "
                                  "others where it is not) and the gradients are averaged, so the ranks keep one model "

@@ -10,7 +10,7 @@ is unknown the plan takes the safe form and GM400 reports it for review.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import libcst as cst
 
@@ -18,6 +18,7 @@ from gpumigrate.analysis import script_model
 from gpumigrate.analysis.launch import LAUNCHER_OPTIONS, launcher_variable, signed_int
 from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
 from gpumigrate.analysis.structure import dotted
+from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp_plan import ddp_plan, device_definition, main_block
 from gpumigrate.codemods.device_plan import _after_imports, device_plan, set_up_line
@@ -120,6 +121,11 @@ class DdpSetup(Rule):
     fixed_in = frozenset({"ddp"})
     lint = False  # a migration step, not a defect
     triggers = ("torch",)
+
+    @staticmethod
+    def wanted(options: dict) -> bool:
+        """A script without torch of its own that drives a module of its project that trains."""
+        return any("backward" in link.calls for link in getattr(options.get("project"), "imports", ()))
     examples = (
         Flagged(
             "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
@@ -155,7 +161,10 @@ class DdpSetup(Rule):
                 self.report(where, why, review=True, not_applied="ddp" if why in self.plan.declined else "")
 
     def _set_up(self) -> bool:
-        """The script calls setup_distributed() already (an earlier run, or its own)."""
+        """The script calls setup_distributed() already (an earlier run, or its own); a module
+        its script sets up calls the runtime's helpers already (an earlier run)."""
+        if self.plan.entry is None:
+            return any(runtime_helper(self.qualify(c.func)) for c in findall(self.ctx.module, m.Call()))
         return any((self.qualify(c.func) or "").endswith("setup_distributed") for c in findall(self.ctx.module, m.Call()))
 
     def _setup(self) -> None:
@@ -501,6 +510,37 @@ class DistributedSamplerRule(Rule):
                                     "and workers, and a new order each epoch)")
         return updated.with_changes(value=_call(self.ctx, "shard_loader", [cst.Arg(updated.value)], self.fixing))
 
+    def _iterated(self, original: cst.BaseExpression, updated: cst.BaseExpression):
+        """`data_iter = iter(data_loader)` in training, where evaluation reads the same loader
+        made elsewhere: training's batches come from this rank's part."""
+        if id(original) not in self.plan.foreign_iterations:
+            return None
+        self.report(original, "training data from a loader made elsewhere, which evaluation reads too: rebuilt "
+                              "for this rank where training iterates it (`shard_loader`: the same rebuilt loader "
+                              "at every call, a new order each pass)")
+        return _call(self.ctx, "shard_loader", [cst.Arg(updated)], self.fixing)
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name):
+        return self._iterated(original, updated) if self.plan.foreign_iterations else None
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        return self._iterated(original, updated) if self.plan.foreign_iterations else None
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
+        """`def train(self, data_loader):` called from another module: the loader it is handed
+        is rebuilt for this rank first thing (the same rebuilt loader at every call)."""
+        names = self.plan.foreign_params.get(id(original)) if self.plan.active else None
+        if not names or not isinstance(updated.body, cst.IndentedBlock):
+            return None
+        self.report(original.name, f"training data handed in from another module (`{', '.join(names)}`): rebuilt "
+                                   "for this rank on entry (`shard_loader`: a DistributedSampler that keeps its "
+                                   "shuffle, batch size and workers, and a new order each epoch)")
+        lines = [_assign(name, _call(self.ctx, "shard_loader", [cst.Arg(cst.Name(name))], self.fixing))
+                 for name in names]
+        body = list(updated.body.body)
+        at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])) else 0
+        return updated.with_changes(body=updated.body.with_changes(body=[*body[:at], *lines, *body[at:]]))
+
     def _line(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         return script_model(self.ctx).s.line(node)
 
@@ -650,6 +690,14 @@ class CheckpointEveryRank(Rule):
         if id(original) not in self.plan.gated_lines:
             return None
         return self._wrap(original, updated)
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        if id(original) not in self.plan.decided_on_rank0:
+            return None
+        self.report(original.test, "a test of the filesystem around a write that rank 0 alone makes: decided on "
+                                   "rank 0 for every rank (`broadcast_object`), so all take the branch and wait "
+                                   "for the write there")
+        return updated.with_changes(test=_call(self.ctx, "broadcast_object", [cst.Arg(updated.test)], self.fixing))
 
     def leave_With(self, original: cst.With, updated: cst.With):
         if not self.plan.gated_with_saves(original):
@@ -1066,6 +1114,49 @@ class WrappedAttribute(Rule):
         self.report(original, f"{why}; use `unwrap_model({name})`")
         return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
 
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg):
+        """`generate(decoder, ...)` of another module of the project that does not train (no
+        `.backward()` there): it gets the plain model, whose own methods it calls
+        (`decoder.init_hidden(1)`), where a DDP wrapper raises AttributeError."""
+        if original.star or not self.wrapped(original.value) or "GM400" not in self.ctx.fixing:
+            return None
+        call = script_model(self.ctx).s.parent(original)
+        if not isinstance(call, cst.Call):
+            return None
+        module = (self.qualify(call.func) or "").rpartition(".")[0]
+        link = _project_module(self.ctx, module) if module else _star_imported(self.ctx, call.func)
+        if link is None or "backward" in link.calls:
+            return None
+        name = dotted(original.value)
+        self.report(original, f"`{name}` handed to {link.path}, which does not train: the plain model "
+                              f"(`unwrap_model({name})`), whose own methods it may call")
+        return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
+
+
+def _star_imported(ctx, func: cst.BaseExpression) -> Optional[Any]:
+    """`generate(...)` after `from generate import *`: the project module that defines it, if
+    this file does not."""
+    if not isinstance(func, cst.Name):
+        return None
+    s = script_model(ctx).s
+    if s.lookup(func.value, s.scope(func))[1]:
+        return None  # defined (or imported by name) here
+    return next((link for link in getattr(ctx.options.get("project"), "imports", ()) if func.value in link.defines),
+                None)
+
+
+def _project_module(ctx, module: str) -> Optional[Any]:
+    """The project module (rewriter/project.py's Link) a dotted module name imports, if any."""
+    for link in getattr(ctx.options.get("project"), "imports", ()):
+        stem = link.path[:-3] if link.path.endswith(".py") else link.path
+        parts = stem.replace("\\", "/").split("/")
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        full = ".".join(parts)
+        if full == module or full.endswith("." + module):
+            return link
+    return None
+
 
 class RankZeroOutput(_BlockRule):
     """
@@ -1133,6 +1224,8 @@ class RankZeroOutput(_BlockRule):
         self.report(original)
         guard = _guard(self.ctx, [updated])
         self.ctx.shared("rank-zero-gates", lambda ctx: set()).add(id(guard))
+        if self.plan.barrier_after_write(original):  # the script reads files back: wait for the write
+            return cst.FlattenSentinel([guard, _line(_call(self.ctx, "barrier"))])
         return guard
 
     def _hoisted(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
@@ -1189,6 +1282,34 @@ class RankZeroOutput(_BlockRule):
             out.append(stmt)
         return out if len(out) != len(updated_body) else None
 
+    def _read_on_every_rank(self, assign: cst.Assign) -> Optional[str]:
+        """A use of the object `assign` binds (`writer`, `self.writer`) that is not a call of
+        one of its methods (`self.writer.log_dir`, `save_config(writer)`): it must exist on every
+        rank. Where the holder is used, in its scope or its class."""
+        if len(assign.targets) != 1:
+            return None
+        holder = dotted(assign.targets[0].target)
+        if holder is None or holder.count(".") > 1 or "." in holder and not holder.startswith("self."):
+            return None
+        s = script_model(self.ctx).s
+        where = s.scope(assign).node
+        if "." in holder:
+            cls = s.instance_class(assign.targets[0].target.value, s.scope(assign))
+            where = cls.node if cls is not None else self.ctx.module
+        for node in s.index.subtree(where):
+            if not isinstance(node, (cst.Name, cst.Attribute)) or dotted(node) != holder or \
+                    s.index.contains(assign.targets[0].target, node) or node is assign.targets[0].target:
+                continue
+            above = s.parent(node)
+            if isinstance(above, cst.Attribute) and above.value is node:
+                call = s.parent(above)
+                if isinstance(call, cst.Call) and call.func is above:
+                    continue  # `writer.add_scalar(...)`: an output call, gated where it runs
+                return f"{holder}.{above.attr.value}"
+            if isinstance(above, (cst.Arg, cst.Element, cst.Return)):
+                return holder  # handed on: whoever gets it may read it
+        return None
+
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if not self.plan.active:
             return None
@@ -1200,6 +1321,11 @@ class RankZeroOutput(_BlockRule):
             return with_args(updated, [*updated.args, keyword_arg("disable", test)])
         parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
         if qualified.endswith("SummaryWriter") and isinstance(parent, cst.Assign):
+            read = self._read_on_every_rank(parent)
+            if read is not None:  # None on the other ranks would fail there: it stays, its writes are gated
+                self.report(original, f"TensorBoard writer kept on every rank: `{read}` is read outside its "
+                                      "writes; only the writes run on rank 0")
+                return None
             self.report(original, "TensorBoard writer on every rank: created on rank 0 only")
             return cst.IfExp(test=_call(self.ctx, "is_main_process"), body=updated, orelse=cst.Name("None"))
         if id(original) in self.plan.devnull_opens:

@@ -951,6 +951,13 @@ def _applies(rule: type, text: str) -> bool:
     return not triggers or any(t in text for t in triggers)
 
 
+def _wanted(rule: type, options: Dict[str, Any]) -> bool:
+    """A rule whose text triggers are absent may still apply because of the file's options
+    (its project: a script that drives another module's training)."""
+    wanted = getattr(rule, "wanted", None)
+    return wanted is not None and wanted(options)
+
+
 def _statement_lines(tree: ast.Module, text: str) -> List[Tuple[int, Optional[int], int]]:
     """Each statement's first line and column (None after a decorator) and last line, in
     LibCST's order."""
@@ -1072,7 +1079,7 @@ def process(
         codes = {r.code for r in rules}
         ctx.reports.extend(rep for rep in front.early if rep.code in codes or ctx.fixing)
         token = CURRENT.set(ctx)
-        active = [rule(ctx) for rule in rules if _applies(rule, whole)]
+        active = [rule(ctx) for rule in rules if _applies(rule, whole) or _wanted(rule, ctx.options)]
         if not active:
             new_module = module
         elif ctx.fixing or not _fast_traversal():

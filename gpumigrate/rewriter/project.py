@@ -26,13 +26,15 @@ _ROOTS_UP = 3  # folders above a file where `import pkg.mod` may be rooted
 class Link:
     """A module of the project linked to a file: its path (relative to the working
     directory), what it calls (names of called functions and methods, sorted), whether it
-    runs code when executed as a script, whether this run migrates it too, and its digest."""
+    runs code when executed as a script, whether this run migrates it too, its digest, and
+    the names it defines at top level (for `from mod import *`)."""
 
     path: str
     calls: Tuple[str, ...]
     script: bool
     in_run: bool
     digest: str
+    defines: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class _Module:
     calls: Tuple[str, ...]
     script: bool
     imports: List[Path]
+    defines: Tuple[str, ...] = ()
 
 
 class _Reader:
@@ -89,8 +92,10 @@ def _read(path: Path) -> Optional[_Module]:
         for target in _resolve(path, level, module, names):
             if target not in found and target != path.resolve():
                 found.append(target)
+    defines = tuple(sorted(node.name for node in tree.body
+                           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))))
     return _Module(path.resolve(), hashlib.sha256(data).hexdigest()[:16], tuple(sorted(calls)),
-                   _runs_code(tree), found)
+                   _runs_code(tree), found, defines)
 
 
 def _resolve(importer: Path, level: int, module: str, names: Sequence[str]) -> Iterable[Path]:
@@ -176,4 +181,4 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
         shown = os.path.relpath(module.path)
     except ValueError:  # another drive
         shown = str(module.path)
-    return Link(shown, module.calls, module.script, module.path in in_run, module.digest)
+    return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines)

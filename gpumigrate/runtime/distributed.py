@@ -18,8 +18,9 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from types import TracebackType
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -615,10 +616,28 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True) -> Any:
     What cannot be sharded safely is returned unchanged with one warning naming why (every
     rank then reads all of it): an IterableDataset, a custom sampler or batch_sampler, a
     RandomSampler drawing with replacement or a number of samples, a DataLoader subclass. A
-    loader already sharded (a DistributedSampler) is returned as it is.
+    loader already sharded (a DistributedSampler) is returned as it is. The same `loader` gives
+    the same rebuilt loader at every call (a trainer that shards what it is handed, once per
+    epoch, still gets a new order each epoch).
     """
-    if not is_distributed():
+    if not is_distributed() or loader is None:  # None: a loader the script did not make (`rafd_loader = None`)
         return loader
+    try:
+        return _SHARDED[loader][(seed, pad)]
+    except (KeyError, TypeError):
+        pass
+    sharded = _shard_loader(loader, seed, pad)
+    try:
+        _SHARDED.setdefault(loader, {})[(seed, pad)] = sharded
+    except TypeError:  # not weakly referable: rebuilt at each call
+        pass
+    return sharded
+
+
+_SHARDED: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, bool], Any]]" = weakref.WeakKeyDictionary()
+
+
+def _shard_loader(loader: Any, seed: int, pad: bool) -> Any:
     batches = getattr(loader, "batch_sampler", None)
     sampler = batches.sampler if type(batches) is BatchSampler else getattr(loader, "sampler", None)
     if isinstance(sampler, (DistributedSampler, _Shard)):
@@ -627,7 +646,7 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True) -> Any:
     if why:
         if is_main_process():
             warnings.warn(f"gpumigrate.runtime: shard_loader: {why}; every rank reads all of it", RuntimeWarning,
-                          stacklevel=2)
+                          stacklevel=3)
         return loader
     dataset = loader.dataset
     if pad:

@@ -1,0 +1,183 @@
+"""Projects (fixtures/projects/*): a script and the modules it imports, migrated as one program
+with `gpumigrate DIR --to ddp`, then run under python and under torchrun with the probe."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Tuple
+
+import pytest
+
+from tests.conftest import FIXTURES
+from tests.test_field_report_2 import (
+    _assert_identical_weights,
+    _assert_sharded,
+    _cli,
+    _ok,
+    _printed,
+    _project_review,
+    _run,
+    _saves,
+    _snapshot,
+    _torchrun,
+)
+
+PROJECTS = FIXTURES / "projects"
+GAN = "gan_trainer_module"  # a driver that builds the optimizers, a trainer module with a gradient penalty
+
+
+def _migrated(folder: str, tmp_path: Path) -> Tuple[Path, dict]:
+    project = tmp_path / folder
+    shutil.copytree(PROJECTS / folder, project)
+    report = tmp_path / "report.json"
+    done = _cli(project, "--to", "ddp", "--report", report)
+    assert done.exit_code == 0, done.output
+    return project, json.loads(report.read_text())
+
+
+def test_a_driver_and_its_trainer_module_are_one_program(tmp_path):
+    project, report = _migrated(GAN, tmp_path)
+    files = _snapshot(project)
+    assert "setup_distributed()" in files["main.py"]
+    # the models train in training.py (`self.G.sample_latent()`, a gradient penalty): no DDP wrapper
+    # in the script, whose checkpoint keys stay as they were; the step hooks average them
+    assert "wrap_model" not in files["main.py"] + files["training.py"]
+    assert "    def _train_epoch(self, data_loader):\n        data_loader = shard_loader(data_loader)\n" in \
+        files["training.py"], "the loader handed in from main.py is not sharded"
+    assert report["summary"]["not_applied"] == {}
+    assert not any("no training found" in item or "no torch.optim optimizer" in item for item in _project_review(report))
+    done = _cli(project, "--to", "ddp", "--check")
+    assert done.exit_code == 0 and _snapshot(project) == files, f"a second run changes the project:\n{done.output}"
+
+
+@pytest.mark.e2e
+def test_the_migrated_project_runs_in_one_process(tmp_path):
+    project, _ = _migrated(GAN, tmp_path)
+    assert _ok(_run(project / "main.py")).count("epoch ") == 2
+
+
+@pytest.mark.e2e
+@pytest.mark.ddp
+def test_the_migrated_project_trains_data_parallel(tmp_path):
+    project, _ = _migrated(GAN, tmp_path)
+    run = _torchrun(project / "main.py", tmp_path / "run", project=True)
+    _assert_identical_weights(run)
+    draws = _assert_sharded(run, dataset_len=64, epochs=2)
+    assert draws[0][0] != draws[0][1], "the same order every epoch: the rebuilt loader is not kept across calls"
+    assert _printed(run, 0).count("epoch ") == 2 and "epoch " not in _printed(run, 1)
+    assert _saves(run, "gen.pt") == [0]
+
+
+SOLVER = "solver_shared_loader"  # a script without torch driving a Solver that trains and tests on one loader
+
+
+def test_a_loader_shared_by_training_and_testing_is_sharded_where_training_iterates_it(tmp_path):
+    project, report = _migrated(SOLVER, tmp_path)
+    files = _snapshot(project)
+    assert "setup_distributed()" in files["main.py"], "a driver without torch of its own never joins the group"
+    solver = files["solver.py"]
+    assert solver.count("data_iter = iter(shard_loader(data_loader))") == 2
+    assert "self.train_loader = train_loader\n" in solver and "for x, y in self.train_loader:" in solver, (
+        "the test pass reads the whole set, as before")
+    assert report["summary"]["not_applied"] == {}
+    done = _cli(project, "--to", "ddp", "--check")
+    assert done.exit_code == 0 and _snapshot(project) == files, f"a second run changes the project:\n{done.output}"
+
+
+@pytest.mark.e2e
+@pytest.mark.ddp
+def test_the_solver_project_trains_data_parallel(tmp_path):
+    project, _ = _migrated(SOLVER, tmp_path)
+    assert "train accuracy" in _ok(_run(project / "main.py"))
+    run = _torchrun(project / "main.py", tmp_path / "run", project=True)
+    _assert_identical_weights(run)
+    passes = [[len(it["indices"]) for it in run.ranks[r]["samplers"] if it.get("dataset_len") == 48]
+              for r in range(2)]
+    # 12 iterations of 8 samples from this rank's 24 (4 passes, 3 of them begun), then the test pass
+    assert passes[0] == passes[1] == [24, 24, 24, 24, 48], passes
+    first = [set(run.ranks[r]["samplers"][0]["indices"]) for r in range(2)]
+    assert not first[0] & first[1] and len(first[0] | first[1]) == 48, "the ranks' shards overlap"
+    assert _printed(run, 0).count("train accuracy") == 1 and _printed(run, 1) == ""
+
+
+CHAR_RNN = {
+    "model.py": """\
+import torch
+import torch.nn as nn
+
+
+class RNN(nn.Module):
+    def __init__(self, n, hidden):
+        super(RNN, self).__init__()
+        self.hidden_size = hidden
+        self.encoder = nn.Embedding(n, hidden)
+        self.gru = nn.GRU(hidden, hidden)
+        self.decoder = nn.Linear(hidden, n)
+
+    def forward(self, inp, hidden):
+        out, hidden = self.gru(self.encoder(inp).view(1, inp.size(0), -1), hidden)
+        return self.decoder(out.view(inp.size(0), -1)), hidden
+
+    def init_hidden(self, batch_size):
+        return torch.zeros(1, batch_size, self.hidden_size)
+""",
+    "generate.py": """\
+import torch
+from model import *
+
+
+def generate(decoder, length=5):
+    hidden = decoder.init_hidden(1)
+    inp = torch.zeros(1, dtype=torch.long)
+    out = []
+    for _ in range(length):
+        logits, hidden = decoder(inp, hidden)
+        inp = logits.argmax(1)
+        out.append(int(inp))
+    return out
+""",
+    "train.py": """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+from model import *
+from generate import *
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randint(0, 10, (32, 6)))
+loader = DataLoader(data, batch_size=4, shuffle=True)
+decoder = RNN(10, 8)
+optimizer = torch.optim.Adam(decoder.parameters(), lr=0.01)
+criterion = nn.CrossEntropyLoss()
+for epoch in range(2):
+    for (chunk,) in loader:
+        hidden = decoder.init_hidden(chunk.size(0))
+        loss = 0
+        for c in range(5):
+            output, hidden = decoder(chunk[:, c], hidden)
+            loss = loss + criterion(output, chunk[:, c + 1])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print(epoch, generate(decoder))
+""",
+}
+
+
+def test_a_wrapped_model_handed_to_a_module_that_does_not_train_is_the_plain_model(tmp_path):
+    """Practice corpus (char-rnn): `generate(decoder)` from `from generate import *` calls
+    `decoder.init_hidden(1)`, which a DDP wrapper does not have."""
+    project = tmp_path / "char_rnn"
+    project.mkdir()
+    for name, text in CHAR_RNN.items():
+        (project / name).write_text(text)
+    assert _cli(project, "--to", "ddp").exit_code == 0
+    train = (project / "train.py").read_text()
+    assert "decoder = wrap_model(decoder)" in train
+    assert "generate(unwrap_model(decoder))" in train
+    assert "unwrap_model(decoder).init_hidden(chunk.size(0))" in train
+    run = _torchrun(project / "train.py", tmp_path / "run", project=True)
+    _assert_identical_weights(run)
+    assert _printed(run, 0).count("\n") == 2 and _printed(run, 1) == ""
