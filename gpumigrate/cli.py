@@ -18,7 +18,7 @@ from gpumigrate import __version__
 from gpumigrate.config import Config, ConfigError, load_config
 from gpumigrate.rewriter.diff import colourize, file_diff
 from gpumigrate.rewriter.files import BadPattern, discover
-from gpumigrate.targets import TargetError, parse_target, target_bases
+from gpumigrate.targets import TargetError, parse_target
 
 if TYPE_CHECKING:
     from gpumigrate.rewriter.engine import FileResult
@@ -203,7 +203,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module}
     results: List[FileResult] = []
     project = None
-    if "ddp" in target_bases(target) and not reading_stdin:
+    if not reading_stdin:
         from gpumigrate.rewriter.project import projects  # a script and the modules it imports are one program
 
         project = projects(files)

@@ -181,3 +181,22 @@ def test_a_wrapped_model_handed_to_a_module_that_does_not_train_is_the_plain_mod
     run = _torchrun(project / "train.py", tmp_path / "run", project=True)
     _assert_identical_weights(run)
     assert _printed(run, 0).count("\n") == 2 and _printed(run, 1) == ""
+
+
+def test_an_import_a_star_importer_may_use_stays(tmp_path):
+    """Practice corpus (char-rnn): model.py's `Variable` import went once model.py no longer
+    used it, and generate.py, which takes it through `from model import *`, failed with a
+    NameError."""
+    project = tmp_path / "star"
+    project.mkdir()
+    (project / "model.py").write_text("import torch\nfrom torch.autograd import Variable\n\n\n"
+                                      "def ones():\n    return Variable(torch.ones(2)).cuda()\n")
+    (project / "main.py").write_text("import torch\nfrom model import *\n\n"
+                                     "print(Variable(torch.zeros(2)).sum().item() + ones().sum().item())\n")
+    alone = tmp_path / "alone.py"
+    alone.write_text((project / "model.py").read_text())
+    assert _cli(project, "--to", "device").exit_code == 0 and _cli(alone, "--to", "device").exit_code == 0
+    assert "from torch.autograd import Variable" in (project / "model.py").read_text()
+    assert "return torch.ones(2).to(device)" in (project / "model.py").read_text()
+    assert "Variable" not in alone.read_text(), "a module no other takes `*` from loses the unused import"
+    assert _ok(_run(project / "main.py")).strip() == "2.0"

@@ -217,9 +217,7 @@ class VariableWrapper(Rule):
             return None
         self.report(original)
         if self.fixing:
-            for qualified in VARIABLE:
-                module, _, name = qualified.rpartition(".")
-                self.ctx.remove_import(module, name)
+            _drop_variable_import(self.ctx)
         value = data.value
         if _is_data_attr(value):
             value = call_method(value.value, "detach")  # Variable(h.data): a new leaf cut from the graph
@@ -657,7 +655,7 @@ class VariableTypeCheck(Rule):
             return None
         self.report(original)
         if self.fixing:
-            self.ctx.remove_import("torch.autograd", "Variable")
+            _drop_variable_import(self.ctx)
         check = self._isinstance(updated.left.args[0].value)
         if isinstance(op, (cst.NotEqual, cst.IsNot)):
             return cst.UnaryOperation(operator=cst.Not(), expression=check).with_changes(lpar=updated.lpar, rpar=updated.rpar)
@@ -670,7 +668,7 @@ class VariableTypeCheck(Rule):
             return None
         self.report(original, "`isinstance(h, Variable)`: say `isinstance(h, torch.Tensor)`")
         if self.fixing:
-            self.ctx.remove_import("torch.autograd", "Variable")
+            _drop_variable_import(self.ctx)
         return updated.with_changes(args=[updated.args[0], updated.args[1].with_changes(value=self._tensor())])
 
 
@@ -945,6 +943,16 @@ def _int_literal(node: cst.BaseExpression) -> bool:
     if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
         node = node.expression
     return isinstance(node, cst.Integer)
+
+
+def _drop_variable_import(ctx) -> None:
+    """The `Variable` import goes once nothing uses it, unless a module beside this one takes
+    all its names (`from helpers import *`) and may use it from there (still importable today)."""
+    if getattr(ctx.options.get("project"), "star_imported", False):
+        return
+    for qualified in VARIABLE:
+        module, _, name = qualified.rpartition(".")
+        ctx.remove_import(module, name)
 
 
 class DeprecatedOverload(Rule):

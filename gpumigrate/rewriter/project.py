@@ -44,6 +44,9 @@ class Project:
 
     imports: Tuple[Link, ...] = ()
     importers: Tuple[Link, ...] = ()
+    # a module beside it takes all its names (`from helpers import *`): an import this file no
+    # longer uses may still be used there
+    star_imported: bool = False
 
 
 @dataclass
@@ -54,6 +57,7 @@ class _Module:
     script: bool
     imports: List[Path]
     defines: Tuple[str, ...] = ()
+    star_imports: Tuple[Path, ...] = ()  # what `from X import *` takes all the names of
 
 
 class _Reader:
@@ -88,14 +92,17 @@ def _read(path: Path) -> Optional[_Module]:
         elif isinstance(node, ast.ImportFrom):
             imported.append((node.level, node.module or "", tuple(a.name for a in node.names)))
     found: List[Path] = []
+    starred: List[Path] = []
     for level, module, names in imported:
         for target in _resolve(path, level, module, names):
             if target not in found and target != path.resolve():
                 found.append(target)
+            if names == ("*",) and target not in starred:
+                starred.append(target)
     defines = tuple(sorted(node.name for node in tree.body
                            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))))
     return _Module(path.resolve(), hashlib.sha256(data).hexdigest()[:16], tuple(sorted(calls)),
-                   _runs_code(tree), found, defines)
+                   _runs_code(tree), found, defines, tuple(starred))
 
 
 def _resolve(importer: Path, level: int, module: str, names: Sequence[str]) -> Iterable[Path]:
@@ -163,14 +170,19 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
             except OSError:
                 folders[folder] = []
         importers = []
+        starred = False
         for sibling in folders[folder]:
             other = reader.get(sibling)
-            if other is not None and other.path != path and path in other.imports and other.script:
+            if other is None or other.path == path:
+                continue
+            starred = starred or path in other.star_imports
+            if path in other.imports and other.script:
                 link = _link(other, in_run)
                 if link is not None:
                     importers.append(link)
-        if imports or importers:
-            out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)))
+        if imports or importers or starred:
+            out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)),
+                               starred)
     return out
 
 
