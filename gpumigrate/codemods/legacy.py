@@ -900,6 +900,8 @@ _RENAMES = {
     "torch.nn.init.uniform": "uniform_", "torch.nn.init.normal": "normal_",
     "torch.nn.init.constant": "constant_", "torch.nn.init.orthogonal": "orthogonal_",
     "torch.nn.functional.upsample": "interpolate",
+    # torchvision's 2017 names, removed in 0.15 (the same transforms)
+    "torchvision.transforms.Scale": "Resize", "torchvision.transforms.RandomSizedCrop": "RandomResizedCrop",
 }
 _OLD_NAMES = frozenset(old.rsplit(".", 1)[1] for old in _RENAMES)
 
@@ -960,7 +962,8 @@ class DeprecatedOverload(Rule):
     ## What it does
     Finds call forms that today's torch deprecates or changed: positional `alpha`/`value`
     overloads (`p.data.add_(-lr, grad)`), `size_average=`/`reduce=` loss arguments, renamed
-    functions (`clip_grad_norm`, `nn.init.xavier_uniform`, `F.upsample`), and
+    functions (`clip_grad_norm`, `nn.init.xavier_uniform`, `F.upsample`, torchvision's
+    `transforms.Scale`, removed in 0.15), and
     `torch.full(size, 1)` labels for a float loss.
 
     ## Why is this bad?
@@ -999,6 +1002,7 @@ class DeprecatedOverload(Rule):
         overload = facts.any_call(*_ALPHA_METHODS, *_VALUE_METHODS) and (
             facts.any_id("data", "grad") or any(name.endswith("_") for name in facts.calls))
         return overload or "nn" in facts.ids and (facts.any_call(*_OLD_NAMES) or facts.any_id("size_average", "reduce")) \
+            or "transforms" in facts.ids and facts.any_call("Scale", "RandomSizedCrop") \
             or facts.any_call("full") and "torch" in facts.ids
 
     examples = (
@@ -1010,6 +1014,11 @@ class DeprecatedOverload(Rule):
         Flagged(
             "import torch\ntorch.nn.utils.clip_grad_norm(ps, 0.5)\n",
             fixed="import torch\ntorch.nn.utils.clip_grad_norm_(ps, 0.5)\n",
+        ),
+        Flagged(  # torchvision < 0.15's names
+            "from torchvision import transforms\nt = transforms.Compose([transforms.Scale(64), transforms.RandomSizedCrop(32)])\n",
+            fixed="from torchvision import transforms\nt = transforms.Compose([transforms.Resize(64), "
+                  "transforms.RandomResizedCrop(32)])\n",
         ),
         Flagged(
             "import torch\nimport torch.nn as nn\nreal_label = 1\ncriterion = nn.BCELoss()\n"
