@@ -200,3 +200,29 @@ def test_an_import_a_star_importer_may_use_stays(tmp_path):
     assert "return torch.ones(2).to(device)" in (project / "model.py").read_text()
     assert "Variable" not in alone.read_text(), "a module no other takes `*` from loses the unused import"
     assert _ok(_run(project / "main.py")).strip() == "2.0"
+
+
+def test_an_object_whose_class_has_its_own_cuda_method_keeps_the_call(tmp_path):
+    """Practice corpus (CMC): `self.multinomial.cuda()` of an AliasMethod, a plain object of
+    the project whose own `cuda()` moves its tensors, became `.to(device)`, which it lacks."""
+    package = tmp_path / "proj" / "nce"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "alias.py").write_text(
+        "import torch\n\n\nclass AliasMethod(object):\n    def __init__(self, probs):\n        self.prob = probs\n\n"
+        "    def cuda(self):\n        self.prob = self.prob.cuda()\n        return self\n\n"
+        "    def draw(self, n):\n        return torch.multinomial(self.prob, n, replacement=True)\n")
+    (package / "average.py").write_text(
+        "import torch\nfrom .alias import AliasMethod\n\n\nclass Local(object):\n    def cuda(self):\n        return self\n\n\n"
+        "class NCEAverage(torch.nn.Module):\n    def __init__(self, n):\n        super(NCEAverage, self).__init__()\n"
+        "        self.multinomial = AliasMethod(torch.ones(n) / n)\n        self.multinomial.cuda()\n"
+        "        local = Local()\n        local.cuda()\n\n"
+        "    def forward(self, k):\n        return self.multinomial.draw(k)\n")
+    (tmp_path / "proj" / "main.py").write_text(
+        "import torch\nfrom nce.average import NCEAverage\n\nprint(NCEAverage(4).cuda()(3).shape)\n")
+    assert _cli(tmp_path / "proj", "--to", "device").exit_code == 0
+    average = (package / "average.py").read_text()
+    assert "        self.multinomial.cuda()\n" in average and "        local.cuda()\n" in average
+    assert "self.prob = self.prob.to(device)" in (package / "alias.py").read_text()
+    assert "NCEAverage(4).to(device)(3)" in (tmp_path / "proj" / "main.py").read_text()
+    assert _ok(_run(tmp_path / "proj" / "main.py")).strip() == "torch.Size([3])"

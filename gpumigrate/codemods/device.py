@@ -24,6 +24,7 @@ from gpumigrate.codemods.helpers import (
     is_method_call,
     keyword_arg,
     literal_str,
+    defined_in,
     name_assigns,
     remove_statement,
     runtime_module,
@@ -99,7 +100,7 @@ class CudaCall(Rule):
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
-        if not is_method_call(original, "cuda"):
+        if not is_method_call(original, "cuda") or self._own_method(original.func.value, "cuda"):
             return None
         self.report(original.func.attr)
         if not self.fixing:
@@ -109,6 +110,30 @@ class CudaCall(Rule):
         device = device_plan(self.ctx).device_expr(index.value if index else None, self.fixing)
         func = updated.func.with_changes(attr=cst.Name("to"))
         return with_args(updated.with_changes(func=func), [cst.Arg(device)] + rest)
+
+
+    def _own_method(self, receiver: cst.BaseExpression, method: str) -> bool:
+        """An object of a class of the project that defines `method` itself (`AliasMethod.cuda()`
+        moving its own tensors): its method, which the migration of its module makes
+        device-agnostic, not a tensor's."""
+        s = script_model(self.ctx).s
+        if isinstance(receiver, cst.Attribute) and isinstance(receiver.value, cst.Name) and \
+                receiver.value.value == "self":
+            cls = s.instance_class(receiver.value, s.scope(receiver))
+            bindings = cls.attrs.get(receiver.attr.value, []) if cls is not None else []
+        elif isinstance(receiver, cst.Name):
+            bindings = s.all_bindings(receiver.value, s.scope(receiver))
+        else:
+            return False
+        return bool(bindings) and all(b.how == "assign" and isinstance(b.value, cst.Call) and
+                                      self._class_defines(b.value.func, method) for b in bindings)
+
+    def _class_defines(self, func: cst.BaseExpression, method: str) -> bool:
+        s = script_model(self.ctx).s
+        if isinstance(func, cst.Name) and func.value in s.classes_by_name:
+            return method in s.classes_by_name[func.value].methods
+        link, name = defined_in(self.ctx, func)
+        return link is not None and f"{name}.{method}" in link.methods
 
 
 class CudaTensorType(Rule):

@@ -10,7 +10,7 @@ is unknown the plan takes the safe form and GM400 reports it for review.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import libcst as cst
 
@@ -23,6 +23,7 @@ from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp_plan import ddp_plan, device_definition, main_block
 from gpumigrate.codemods.device_plan import _after_imports, device_plan, set_up_line
 from gpumigrate.codemods.helpers import (
+    defined_in,
     findall,
     fresh_name,
     get_arg,
@@ -1123,39 +1124,13 @@ class WrappedAttribute(Rule):
         call = script_model(self.ctx).s.parent(original)
         if not isinstance(call, cst.Call):
             return None
-        module = (self.qualify(call.func) or "").rpartition(".")[0]
-        link = _project_module(self.ctx, module) if module else _star_imported(self.ctx, call.func)
+        link, _ = defined_in(self.ctx, call.func)
         if link is None or "backward" in link.calls:
             return None
         name = dotted(original.value)
         self.report(original, f"`{name}` handed to {link.path}, which does not train: the plain model "
                               f"(`unwrap_model({name})`), whose own methods it may call")
         return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
-
-
-def _star_imported(ctx, func: cst.BaseExpression) -> Optional[Any]:
-    """`generate(...)` after `from generate import *`: the project module that defines it, if
-    this file does not."""
-    if not isinstance(func, cst.Name):
-        return None
-    s = script_model(ctx).s
-    if s.lookup(func.value, s.scope(func))[1]:
-        return None  # defined (or imported by name) here
-    return next((link for link in getattr(ctx.options.get("project"), "imports", ()) if func.value in link.defines),
-                None)
-
-
-def _project_module(ctx, module: str) -> Optional[Any]:
-    """The project module (rewriter/project.py's Link) a dotted module name imports, if any."""
-    for link in getattr(ctx.options.get("project"), "imports", ()):
-        stem = link.path[:-3] if link.path.endswith(".py") else link.path
-        parts = stem.replace("\\", "/").split("/")
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        full = ".".join(parts)
-        if full == module or full.endswith("." + module):
-            return link
-    return None
 
 
 class RankZeroOutput(_BlockRule):

@@ -3,7 +3,7 @@ the rewritten script uses for runtime helpers. (Reading helpers: analysis/syntax
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import libcst as cst
 
@@ -128,3 +128,50 @@ def _identifiers(ctx) -> set:
     return script_model(ctx).s.identifiers()
 
 
+def defined_in(ctx, func: cst.BaseExpression) -> Tuple[Optional[Any], str]:
+    """The project module (a Link) that defines what `func` names, and its name there:
+    `generate` of `from generate import generate` or `import *`, `AliasMethod` of
+    `from .alias_multinomial import AliasMethod`, `utils.get_loader`. (None, "") if none."""
+    qualified = ctx.names.qualify(func) or ""
+    module, _, name = qualified.rpartition(".")
+    if module:
+        return project_module(ctx, module), name
+    if not isinstance(func, cst.Name):
+        return None, ""
+    for stmt in ctx.module.body:  # a relative import, which names do not qualify
+        for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+            if isinstance(small, cst.ImportFrom) and small.relative and not isinstance(small.names, cst.ImportStar):
+                for alias in small.names:
+                    if (alias.asname.name.value if alias.asname else alias.name.value) == func.value:
+                        dotted = cst.Module(body=[]).code_for_node(small.module) if small.module else ""
+                        return project_module(ctx, dotted), alias.name.value
+    return star_imported(ctx, func), func.value
+
+
+def star_imported(ctx, func: cst.BaseExpression) -> Optional[Any]:
+    """`generate(...)` after `from generate import *`: the project module that defines it, if
+    this file does not."""
+    if not isinstance(func, cst.Name):
+        return None
+    from gpumigrate.analysis import script_model
+
+    s = script_model(ctx).s
+    if s.lookup(func.value, s.scope(func))[1]:
+        return None  # defined (or imported by name) here
+    return next((link for link in getattr(ctx.options.get("project"), "imports", ()) if func.value in link.defines),
+                None)
+
+
+def project_module(ctx, module: str) -> Optional[Any]:
+    """The project module (rewriter/project.py's Link) a dotted module name imports, if any
+    (`.alias` of a relative import: by its last parts)."""
+    module = module.lstrip(".")
+    for link in getattr(ctx.options.get("project"), "imports", ()):
+        stem = link.path[:-3] if link.path.endswith(".py") else link.path
+        parts = stem.replace("\\", "/").split("/")
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        full = ".".join(parts)
+        if full == module or full.endswith("." + module):
+            return link
+    return None

@@ -27,7 +27,9 @@ class Link:
     """A module of the project linked to a file: its path (relative to the working
     directory), what it calls (names of called functions and methods, sorted), whether it
     runs code when executed as a script, whether this run migrates it too, its digest, and
-    the names it defines at top level (for `from mod import *`)."""
+    the names it defines at top level (for `from mod import *`) and the methods its classes
+    define themselves ("Class.method": an object of its own with a method named like a
+    tensor's)."""
 
     path: str
     calls: Tuple[str, ...]
@@ -35,6 +37,7 @@ class Link:
     in_run: bool
     digest: str
     defines: Tuple[str, ...] = ()
+    methods: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class _Module:
     imports: List[Path]
     defines: Tuple[str, ...] = ()
     star_imports: Tuple[Path, ...] = ()  # what `from X import *` takes all the names of
+    methods: Tuple[str, ...] = ()
 
 
 class _Reader:
@@ -102,7 +106,9 @@ def _read(path: Path) -> Optional[_Module]:
     defines = tuple(sorted(node.name for node in tree.body
                            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))))
     return _Module(path.resolve(), hashlib.sha256(data).hexdigest()[:16], tuple(sorted(calls)),
-                   _runs_code(tree), found, defines, tuple(starred))
+                   _runs_code(tree), found, defines, tuple(starred),
+                   tuple(sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
+                                for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))))
 
 
 def _resolve(importer: Path, level: int, module: str, names: Sequence[str]) -> Iterable[Path]:
@@ -193,4 +199,5 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
         shown = os.path.relpath(module.path)
     except ValueError:  # another drive
         shown = str(module.path)
-    return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines)
+    return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines,
+                module.methods)
