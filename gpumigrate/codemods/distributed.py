@@ -1481,7 +1481,9 @@ class DdpDeviceIds(Rule):
     model = wrap_model(model)  # from gpumigrate.runtime
     ```
     A call with other DDP options (`broadcast_buffers`, `bucket_cap_mb`, ...) is kept, and
-    runs on GPUs only.
+    runs on GPUs only. In a script that converts BatchNorm to SyncBatchNorm, a plain
+    `DistributedDataParallel(model)` becomes `wrap_model(model)` too: DDP refuses SyncBatchNorm
+    on the CPU, and wrap_model keeps BatchNorm per process there.
     """
 
     code = "GM413"
@@ -1489,7 +1491,7 @@ class DdpDeviceIds(Rule):
     message = "DistributedDataParallel with `device_ids` runs on GPUs only; wrap_model takes the model's own device"
     fixed_in = frozenset({"ddp"})
     lint = False  # right on GPUs: a migration step
-    triggers = ("device_ids",)
+    triggers = ("device_ids", "convert_sync_batchnorm")
 
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
@@ -1500,6 +1502,10 @@ class DdpDeviceIds(Rule):
                 "output_device=rank, find_unused_parameters=True)\n",
                 fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\n"
                       "model = wrap_model(net, find_unused_parameters=True)\n"),
+        Flagged("import torch\nnet = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)\n"
+                "model = torch.nn.parallel.DistributedDataParallel(net)\n",
+                fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\n"
+                      "net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)\nmodel = wrap_model(net)\n"),
         Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net)\n"),
         Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0], "
               "broadcast_buffers=False)\n"),
@@ -1512,9 +1518,15 @@ class DdpDeviceIds(Rule):
         rest = original.args[1:]
         given = [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
                  for i, a in enumerate(rest)]
-        if not set(given) & set(_DDP_DEVICE_ARGS) or not set(given) <= {*_DDP_DEVICE_ARGS, "find_unused_parameters"}:
+        if not set(given) <= {*_DDP_DEVICE_ARGS, "find_unused_parameters"}:
             return None
-        self.report(original)
+        if not set(given) & set(_DDP_DEVICE_ARGS):
+            if "convert_sync_batchnorm" not in self.ctx.text:
+                return None
+            self.report(original, "DistributedDataParallel of a model with SyncBatchNorm runs on GPUs only; "
+                                  "wrap_model keeps BatchNorm per process on the CPU")
+        else:
+            self.report(original)
         args = [cst.Arg(updated.args[0].value)]
         args += [keyword_arg(a.keyword.value, a.value) for a in updated.args[1:]
                  if a.keyword is not None and a.keyword.value == "find_unused_parameters"]

@@ -1003,7 +1003,7 @@ class DeprecatedOverload(Rule):
             facts.any_id("data", "grad") or any(name.endswith("_") for name in facts.calls))
         return overload or "nn" in facts.ids and (facts.any_call(*_OLD_NAMES) or facts.any_id("size_average", "reduce")) \
             or "transforms" in facts.ids and facts.any_call("Scale", "RandomSizedCrop") \
-            or facts.any_call("full") and "torch" in facts.ids
+            or facts.any_call("full") and "torch" in facts.ids or facts.any_call("view") and facts.any_call("float", "sum")
 
     examples = (
         Flagged("p.data.add_(-lr, p.grad.data)\n", fixed="p.data.add_(p.grad.data, alpha=-lr)\n"),
@@ -1029,6 +1029,11 @@ class DeprecatedOverload(Rule):
         Flagged(  # a loss the migration cannot see: listed
             "import torch\nlabel = torch.full((8,), 1)\nloss = loss_fn(out, label)\n",
         ),
+        Flagged(  # pytorch/examples' accuracy() of 2017 on today's torch
+            "import torch\ncorrect = pred.t().eq(target.view(1, -1))\nn = correct[:5].view(-1).float().sum(0)\n",
+            fixed="import torch\ncorrect = pred.t().eq(target.view(1, -1))\nn = correct[:5].reshape(-1).float().sum(0)\n",
+        ),
+        Clean("import torch\nflat = x[:, :2].view(-1)\nflat[0] = 1\n"),  # written through: a view it stays
         Clean("import torch\nx.add_(y, alpha=2)\nz = torch.add(a, b)\n"),
         Clean("import torch\nignore = torch.full((8,), -100)\nloss = torch.nn.CrossEntropyLoss()(out, ignore)\n"),
         Clean("import re\nclean = ansi_escape.sub('', text)\nn = counter.sub(1, 2)\n"),
@@ -1038,6 +1043,10 @@ class DeprecatedOverload(Rule):
         qualified = self.qualify(original.func)
         if qualified == "torch.full":
             return self._full(original, updated)
+        if self._flattened_slice(original):
+            self.report(original, "`.view(-1)` of a slice (`correct[:k]` of a transposed prediction) fails on "
+                                  "today's torch, whose comparisons keep their input's strides: `.reshape(-1)`")
+            return updated.with_changes(func=updated.func.with_changes(attr=cst.Name("reshape")))
         if qualified in _RENAMES and isinstance(updated.func, cst.Attribute):
             new = _RENAMES[qualified]
             self.report(original, f"`{qualified.rsplit('.', 1)[1]}` is deprecated; use `{new}`")
@@ -1058,6 +1067,16 @@ class DeprecatedOverload(Rule):
             return with_args(updated, [t1, t2.with_changes(comma=cst.MaybeSentinel.DEFAULT),
                                        keyword_arg("value", value.value)])
         return self._reduction(original, updated, qualified)
+
+    def _flattened_slice(self, call: cst.Call) -> bool:
+        """`correct[:k].view(-1).float().sum(0)` (the accuracy() of pytorch/examples, 2017): a
+        slice flattened to be read, never written through (a reshape may copy)."""
+        if not (is_method_call(call, "view") and len(call.args) == 1 and call.args[0].keyword is None
+                and m.matches(call.args[0].value, m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1"))) and isinstance(call.func.value, cst.Subscript) and
+                any(isinstance(e.slice, cst.Slice) for e in call.func.value.slice)):
+            return False
+        above = script_model(self.ctx).s.parent(call)
+        return isinstance(above, cst.Attribute) and above.value is call and above.attr.value in ("float", "sum", "long")
 
     # -- torch.full with an integer fill: int64 since torch 1.7 -----------------------------
     def _full(self, original: cst.Call, updated: cst.Call):
