@@ -1,0 +1,370 @@
+"""What to shard: which DataLoaders get a distributed sampler, which loaders are rebuilt for
+the rank where they are bound, where `set_epoch` goes, and which sizes count this rank's share.
+
+Decides:
+- `shard_training`: the training data is sharded at all (a script that trains through
+  torch.optim optimizers, its own or its drivers');
+- `loader_edits` and `sharded`: a `LoaderEdit` per DataLoader call (training, evaluation, or a
+  factory with a train/eval flag), or why it cannot take a sampler (reported, nothing edited);
+- `foreign_loaders`, `foreign_iterations`, `foreign_params`: training loaders made where this
+  file cannot see, rebuilt with `shard_loader` where bound;
+- `why_whole`: why an evaluation loader stays whole (its loops keep more than sums, not every
+  rank runs them alike, or they run the wrapped model with autograd on);
+- `sharded_holders`, `set_epoch_points`, `rebuild_points` (epochs), `per_rank_size`
+  (`len(train_set)` that becomes this rank's share).
+
+Relies on, from DdpPlan (ddp_plan.py) and its other mixins:
+- `self.ctx`, `self.model`, `self.s`, `self.active`, `self.drivers` (ddp_plan.py);
+- `self.wrapped_reference` (wrap.py): an evaluation loop that runs a wrapped model;
+- `self.metrics`, `self._blockers` (reduce.py): an evaluation loader is sharded only where its
+  loops keep sums that are reduced; `self._divisors_of_sums` (reduce.py): a size that a reduced
+  training sum is divided by stays the whole set's;
+- `self.uniform`, `self.torchrun` (reach.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Dict, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from gpumigrate.analysis.launch import DISTRIBUTED_SAMPLERS
+from gpumigrate.analysis.model import Loader
+from gpumigrate.analysis.structure import dotted
+from gpumigrate.analysis.syntax import runtime_helper
+from gpumigrate.analysis.values import call_argument
+
+# torch.optim's optimizers, as a project's script calls them (`optim.Adam(...)`)
+_OPTIMIZER_CLASSES = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "ASGD", "LBFGS", "NAdam",
+                                "RAdam", "RMSprop", "Rprop", "SparseAdam"})
+
+
+@dataclass
+class LoaderEdit:
+    kind: str  # "train", "eval", "flag"
+    flag: Optional[str] = None
+    negated: bool = False
+    eval_sharded: bool = False
+    problem: Optional[str] = None  # why the sampler cannot be added here: reported, nothing edited
+    hoist: bool = False  # the dataset is built inline: it gets a name of its own first
+    # the script's own DistributedSampler, behind a condition torchrun may not meet: the loader
+    # is rebuilt with shard_loader, which keeps that sampler where it is taken
+    rebuild: bool = False
+
+
+class Sharding:
+    """What data each rank gets (a mixin of DdpPlan)."""
+
+    # -- training data -------------------------------------------------------------------
+    @cached_property
+    def shard_training(self) -> bool:
+        """Shard the training data of every script that trains through torch.optim
+        optimizers: a model DDP wraps has its gradients averaged in backward, and every other
+        parameter an optimizer steps has them averaged at the step, by the hooks
+        setup_distributed() installs (runtime/averaging.py). So the ranks train one model
+        whatever the analysis could prove about the script's shape. Training by hand (no
+        optimizer) has no step to average at: its data stays whole."""
+        return self.active and (bool(self.model.optimizers) or self._driven_by_optimizers)
+
+    @cached_property
+    def _driven_by_optimizers(self) -> bool:
+        """A trainer module, imported by scripts that build torch.optim optimizers and build
+        none itself: it steps theirs; the step hooks average them whatever they are."""
+        return not self.model.optimizers and any(set(link.calls) & _OPTIMIZER_CLASSES for link in self.drivers)
+
+    # -- loaders -------------------------------------------------------------------------
+    @cached_property
+    def foreign_loaders(self) -> List[cst.BaseExpression]:
+        """Training loaders made where this file cannot see: rebuilt per rank where bound."""
+        return self.model.foreign_loaders if self.shard_training else []
+
+    @cached_property
+    def foreign_iterations(self) -> Set[int]:
+        """ids of what training iterates that evaluation's data is too: rebuilt there."""
+        return {id(e) for e in self.model.foreign_iterations} if self.shard_training else set()
+
+    @cached_property
+    def foreign_params(self) -> Dict[int, List[str]]:
+        """id(function) -> its parameters that are training loaders handed in from elsewhere
+        (`def train(self, data_loader, epochs)` called by the script): rebuilt per rank first
+        thing in the function (`shard_loader` gives the same rebuilt loader for the same loader
+        at every call, so its order still changes each epoch)."""
+        return self.model.foreign_params if self.shard_training else {}
+
+    @cached_property
+    def _rebuilt_loaders(self) -> bool:
+        """An earlier run rebuilt a loader for the rank (`shard_loader(...)`)."""
+        return any(runtime_helper(self.model.qualify(c.func)) == "shard_loader" for c in self.s.index.of(cst.Call))
+
+    @cached_property
+    def loader_edits(self) -> Dict[int, LoaderEdit]:
+        edits: Dict[int, LoaderEdit] = {}
+        if not self.active:
+            return edits
+        for loader in self.model.loaders:
+            role = loader.role
+            if role == "train":
+                if self.shard_training:
+                    edits[id(loader.call)] = LoaderEdit("train")
+            elif role == "flag":
+                if self.shard_training:
+                    edits[id(loader.call)] = LoaderEdit("flag", loader.flag, loader.flag_negated,
+                                                        eval_sharded=self._eval_shardable(loader))
+            elif role == "eval":
+                if self._eval_shardable(loader):
+                    edits[id(loader.call)] = LoaderEdit("eval", eval_sharded=True)
+        for call_id, edit in edits.items():
+            loader = next(l for l in self.model.loaders if id(l.call) == call_id)
+            own = self._own_samplers(loader.call) if edit.kind == "train" else []
+            if own:  # the script shards it itself where torchrun takes that path; elsewhere, we do
+                taken = any(self.torchrun.unmet(c) is None for c in own) or self._in_shard_loader(loader.call)
+                edit.problem, edit.rebuild = ("already sharded", False) if taken else (None, True)
+                continue
+            edit.problem, edit.hoist = self._sampler_problem(loader.call)
+            if edit.problem is None and self._already_sharded(loader.call):
+                edit.problem = "already sharded"
+        return edits
+
+    def sharded(self, call: cst.Call) -> Optional[LoaderEdit]:
+        """The edit of a DataLoader call that gets a distributed sampler, or None."""
+        edit = self.loader_edits.get(id(call))
+        return edit if edit is not None and edit.problem is None else None
+
+    def _own_samplers(self, call: cst.Call) -> List[cst.Call]:
+        """The script's own DistributedSampler calls that may be this DataLoader's sampler:
+        `sampler=s` where `s` is bound to one on some path, or a conditional expression with one."""
+        given = call_argument(call, "sampler", 3)
+        values = [given] if given is not None else []
+        if isinstance(given, cst.Name):
+            values = [b.value for b in self.s.all_bindings(given.value, self.s.scope(given)) if b.how == "assign"]
+        return [c for value in values for c in self.s.inside(value, cst.Call)
+                if self.model.qualify(c.func) in DISTRIBUTED_SAMPLERS]
+
+    def _in_shard_loader(self, call: cst.Call) -> bool:
+        """`shard_loader(DataLoader(...))`: rebuilt by an earlier run."""
+        arg = self.s.parent(call)
+        outer = self.s.parent(arg) if isinstance(arg, cst.Arg) else None
+        return isinstance(outer, cst.Call) and runtime_helper(self.model.qualify(outer.func)) == "shard_loader"
+
+    def _already_sharded(self, call: cst.Call) -> bool:
+        given = call_argument(call, "sampler", 3) or call_argument(call, "batch_sampler", 4)
+        return isinstance(given, cst.Call) and (self.model.qualify(given.func) or dotted(given.func) or "").endswith(
+            ("DistributedSampler", "distributed_sampler"))
+
+    def _sampler_problem(self, call: cst.Call) -> Tuple[Optional[str], bool]:
+        """Why `sampler=distributed_sampler(dataset)` cannot be added to this call, if it cannot."""
+        if any(a.star == "*" for a in call.args):
+            return "DataLoader(*args) may set shuffle or a sampler: add `sampler=distributed_sampler(dataset)` " \
+                   "by hand", False
+        if any(a.star == "**" and self._may_hold_sampler(a.value) for a in call.args):
+            return "DataLoader(**kwargs) may set shuffle or a sampler: add `sampler=distributed_sampler(dataset)` " \
+                   "by hand", False
+        given = call_argument(call, "sampler", 3) or call_argument(call, "batch_sampler", 4)
+        if given is not None:
+            if self._already_sharded(call):
+                return None, False
+            return "custom sampler kept: make it shard the data per rank (e.g. DistributedSampler) or each rank " \
+                   "sees everything", False
+        dataset = call_argument(call, "dataset", 0)
+        if dataset is None:
+            return "no dataset argument found: pass `sampler=distributed_sampler(dataset)` by hand", False
+        shuffle = next((a for i, a in enumerate(a for a in call.args if a.keyword is None) if i == 2), None)
+        if shuffle is not None:
+            return "positional `shuffle`: pass `sampler=distributed_sampler(dataset)` by hand", False
+        if isinstance(dataset, (cst.Name, cst.Attribute)):
+            return None, False
+        line = self.s.line(call)
+        if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 and \
+                isinstance(self.s.block(line), (cst.Module, cst.IndentedBlock)):
+            return None, True
+        return "dataset built inline: assign it to a name and pass `sampler=distributed_sampler(dataset)`", False
+
+    def _may_hold_sampler(self, kwargs: cst.BaseExpression) -> bool:
+        """`**kwargs` is safe when every dict literal it is built from lacks these keys."""
+        if not isinstance(kwargs, cst.Name):
+            return True
+        _, bindings = self.s.lookup(kwargs.value, self.s.scope(kwargs))
+        values = [b.value for b in self.s.all_bindings(kwargs.value, self.s.scope(kwargs)) if b.how == "assign"]
+        if not values:
+            return True
+        for value in values:
+            dicts = [n for n in self.s.index.subtree(value) if isinstance(n, cst.Dict)]
+            if not dicts:
+                return True
+            for d in dicts:
+                keys = [e.key.evaluated_value if isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString)
+                        else None for e in d.elements]
+                if any(k is None or k in ("shuffle", "sampler", "batch_sampler") for k in keys):
+                    return True
+        return False
+
+    def _eval_shardable(self, loader: Loader) -> bool:
+        return self.why_whole(loader) is None
+
+    def why_whole(self, loader: Loader) -> Optional[str]:
+        """Why an evaluation loader cannot be sharded, or None: every loop over it must keep
+        plain sums, run on every rank alike, and run under no_grad (with autograd on, each
+        forward of a DDP model broadcasts buffers, a collective, and unequal shards would leave
+        a rank waiting)."""
+        from gpumigrate.codemods.memory import under_no_grad_after_migration  # a device-target fact
+
+        loops = [c.node for c in loader.consumers if not c.trains]
+        if not loops:
+            return "it is never iterated where the migration can see"
+        if any(not isinstance(l, cst.For) for l in loops):
+            return "it is consumed with next(), not a for loop"
+        for loop in loops:
+            if self.metrics(loop) is None:
+                what = self._blockers.get(id(loop))
+                return f"its loop keeps more than sums (`{what}`)" if what else "its loop keeps more than sums"
+            if not self.uniform(loop):
+                return "not every rank runs its loop equally often"
+            if self._calls_wrapped(loop) and not under_no_grad_after_migration(self.ctx, loop):
+                return "its loop runs the wrapped model with autograd on (no torch.no_grad())"
+        return None
+
+    def _calls_wrapped(self, node: cst.CSTNode, depth: int = 0) -> bool:
+        """Does running `node` call a model this plan wraps (directly or through functions of
+        this file)?"""
+        for call in self.s.inside(node, cst.Call):
+            if dotted(call.func) is not None and self.wrapped_reference(call.func):
+                return True
+            target = self.s.callee(call)
+            if target is not None and depth < 4 and self._calls_wrapped(target.node, depth + 1):
+                return True
+        return False
+
+    @cached_property
+    def sharded_holders(self) -> List[Tuple[Loader, str, object]]:
+        """(loader, name, scope) of every name holding a sharded training loader."""
+        out = []
+        for loader in self.model.loaders:
+            edit = self.sharded(loader.call)
+            if edit is None or edit.kind == "eval":
+                continue
+            for scope, name, stmt in loader.holders:
+                if edit.kind == "flag" and not self._holder_trains(loader, stmt):
+                    continue
+                out.append((loader, name, scope))
+        return out
+
+    def _holder_trains(self, loader: Loader, source: cst.CSTNode) -> bool:
+        """Is the factory call `source` one whose loader trains?"""
+        for consumer in loader.consumers:
+            if consumer.trains:
+                for origin, via in self.model.origins(consumer.holder):
+                    if via is source:
+                        return True
+        return False
+
+    # -- per-rank sizes ------------------------------------------------------------------
+    def _dataset_size(self, call: cst.Call) -> bool:
+        """`len(train_set)` or `len(loader.dataset)` in arithmetic, where the set is a sharded
+        training loader's."""
+        if not (isinstance(call.func, cst.Name) and call.func.value == "len" and len(call.args) == 1):
+            return False
+        if not isinstance(self.s.parent(call), cst.BinaryOperation):
+            return False
+        arg = call.args[0].value
+        sharded = {id(loader.call) for loader, _, _ in self.sharded_holders}
+        if isinstance(arg, cst.Attribute) and arg.attr.value == "dataset" and dotted(arg.value):
+            origins = self.model.origins(arg.value)
+            return bool(origins) and all(id(o) in sharded for o, _ in origins) and self._trains_here(origins, arg.value)
+        if dotted(arg) is None:
+            return False
+        for loader, _, _ in self.sharded_holders:
+            dataset = call_argument(loader.call, "dataset", 0)
+            if dataset is not None and dotted(dataset) == dotted(arg) and \
+                    self.s.lookup(dotted(arg).split(".")[0], self.s.scope(call))[0] is \
+                    self.s.lookup(dotted(arg).split(".")[0], self.s.scope(loader.call))[0]:
+                return True
+        return False
+
+    def _trains_here(self, origins, holder: cst.BaseExpression) -> bool:
+        """A flag factory's loader holds training data only where it was built for training."""
+        for origin, via in origins:
+            edit = self.sharded(origin)
+            if edit is None or (edit.kind == "flag" and via is not None and not self._holder_trains(
+                    next(l for l in self.model.loaders if l.call is origin), via)):
+                return False
+        return True
+
+    def per_rank_size(self, call: cst.Call) -> bool:
+        """An epoch size from the whole training set (`len(train_set) // batch`): this rank's
+        share counts instead (`shard_length(train_set)`). A training sum divided by it is
+        reduced over ranks instead (`training_sums`), and keeps the whole size."""
+        return self._dataset_size(call) and id(call) not in self._divisors_of_sums
+
+    # -- epochs --------------------------------------------------------------------------
+    def set_epoch_points(self) -> Dict[int, List[str]]:
+        """Loops (by id) at whose top `set_epoch(loader, epoch)` goes: the innermost loop around
+        each consumption of a sharded training loader that does not itself iterate it, in the
+        scope that holds the loader (following calls out of functions)."""
+        out: Dict[int, List[str]] = {}
+        for loader, name, scope in [*self.sharded_holders, *self._own_sampler_holders]:
+            for consumer in loader.consumers:
+                if not consumer.trains or not isinstance(consumer.node, cst.For):
+                    continue
+                for loop in self._loops_around(consumer.node, scope, consumer.node, 0):
+                    if self._has_set_epoch(loop, name):
+                        continue
+                    names = out.setdefault(id(loop), [])
+                    if name not in names:
+                        names.append(name)
+        return out
+
+    @cached_property
+    def _own_sampler_holders(self) -> List[Tuple[Loader, str, object]]:
+        """Training loaders the script shards itself (its DistributedSampler, on the path
+        torchrun takes): that sampler needs `set_epoch` as much as ours."""
+        return [(loader, name, scope) for loader in self.model.loaders
+                if getattr(self.loader_edits.get(id(loader.call)), "problem", None) == "already sharded"
+                and self._own_samplers(loader.call) for scope, name, _ in loader.holders]
+
+    def _loops_around(self, node: cst.CSTNode, scope, skip: cst.CSTNode, depth: int) -> List[cst.CSTNode]:
+        for ancestor in self.s.ancestors(node):
+            if isinstance(ancestor, (cst.For, cst.While)) and ancestor is not skip:
+                return [ancestor] if self.s.scope(ancestor) is scope else []
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
+                break
+        fn = self.s.function(node)
+        if fn is None or depth > 5:
+            return []
+        return [loop for call in fn.callers for loop in self._loops_around(call, scope, skip, depth + 1)]
+
+    def _has_set_epoch(self, loop: cst.CSTNode, name: str) -> bool:
+        for call in self.s.inside(loop, cst.Call):
+            if isinstance(call.func, (cst.Name, cst.Attribute)) and \
+                    cst.Module(body=[]).code_for_node(call.func).endswith("set_epoch"):
+                return True
+        return False
+
+    def rebuild_points(self) -> Dict[int, str]:
+        """Lines `it = iter(loader)` of a sharded training loader consumed with `next()`:
+        `set_epoch(loader)` goes before each, so every restart reshuffles."""
+        out: Dict[int, str] = {}
+        for loader, name, scope in self.sharded_holders:
+            if not any(isinstance(c.node, cst.Call) and c.trains for c in loader.consumers):
+                continue
+            for node in self.s.index.order:
+                if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "iter" \
+                        and node.args and dotted(node.args[0].value) == name and self.s.scope(node) is scope:
+                    line = self.s.line(node)
+                    if line is not None and isinstance(line, cst.SimpleStatementLine) and \
+                            not self._preceded_by_set_epoch(line):
+                        out[id(line)] = name
+        return out
+
+    def _epoch_bounded(self, line: cst.CSTNode, name: str) -> bool:
+        """`for i in range(len(loader)): next(it)`: each pass is one (per-rank) epoch."""
+        render = self.ctx.module.code_for_node
+        return any(isinstance(loop, cst.For) and f"len({name})" in render(loop.iter).replace(" ", "")
+                   for loop in self.s.inside(self.s.block(line) if self.s.block(line) is not None else line, cst.For))
+
+    def _preceded_by_set_epoch(self, line: cst.CSTNode) -> bool:
+        block = self.s.block(line)
+        body = list(block.body) if block is not None else []
+        k = next((i for i, s in enumerate(body) if s is line), 0)
+        return k > 0 and "set_epoch" in cst.Module(body=[]).code_for_node(body[k - 1])
