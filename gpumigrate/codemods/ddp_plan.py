@@ -1,7 +1,8 @@
 """The ddp migration's decisions for one file, made once from the script model.
 
 Every rule of the ddp target asks this plan instead of deciding for itself, so the edits fit
-together: data is sharded only when the model that trains on it is wrapped; evaluation is
+together: training data is sharded wherever torch.optim optimizers train (a wrapped model's
+gradients are averaged by DDP, every other one's at the optimizer step); evaluation is
 sharded only when its metrics are provably reduced; a collective is inserted only where every
 rank provably reaches it equally often; rank-0 gates and collectives come after
 `setup_distributed()`. What cannot be established takes the safe form and becomes a review
