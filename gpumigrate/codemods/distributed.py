@@ -452,6 +452,10 @@ class DistributedSamplerRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if not self.plan.active:
             return None
+        if self.plan.foreign_iterations and m.matches(original.func, m.Name("iter")) and len(original.args) == 1:
+            inner = self._iterated(original.args[0].value, updated.args[0].value)
+            if inner is not None:
+                return updated.with_changes(args=[updated.args[0].with_changes(value=inner)])
         if self.plan.per_rank_size(original):
             self.report(original, "an epoch size from the whole dataset: this rank trains on its shard, "
                                   "`shard_length(dataset)` samples per epoch")
@@ -521,12 +525,6 @@ class DistributedSamplerRule(Rule):
                               "at every call, a new order each pass)")
         return _call(self.ctx, "shard_loader", [cst.Arg(updated)], self.fixing)
 
-    def leave_Name(self, original: cst.Name, updated: cst.Name):
-        return self._iterated(original, updated) if self.plan.foreign_iterations else None
-
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
-        return self._iterated(original, updated) if self.plan.foreign_iterations else None
-
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
         """`def train(self, data_loader):` called from another module: the loader it is handed
         is rebuilt for this rank first thing (the same rebuilt loader at every call)."""
@@ -546,9 +544,13 @@ class DistributedSamplerRule(Rule):
         return script_model(self.ctx).s.line(node)
 
     def _loop(self, original, updated):
+        if isinstance(original, cst.For) and self.plan.foreign_iterations:
+            inner = self._iterated(original.iter, updated.iter)
+            if inner is not None:
+                updated = updated.with_changes(iter=inner)
         holders = self.epoch_loops.get(id(original))
         if not holders or not isinstance(updated.body, cst.IndentedBlock):
-            return None
+            return updated
         target = original.target if isinstance(original, cst.For) and isinstance(original.target, cst.Name) else None
         self.report(original, "DistributedSampler needs `set_epoch` each epoch, or every epoch has the same order")
         calls = [_line(_call(self.ctx, "set_epoch", [cst.Arg(cst.parse_expression(h))]
@@ -1115,22 +1117,26 @@ class WrappedAttribute(Rule):
         self.report(original, f"{why}; use `unwrap_model({name})`")
         return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
 
-    def leave_Arg(self, original: cst.Arg, updated: cst.Arg):
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
         """`generate(decoder, ...)` of another module of the project that does not train (no
         `.backward()` there): it gets the plain model, whose own methods it calls
         (`decoder.init_hidden(1)`), where a DDP wrapper raises AttributeError."""
-        if original.star or not self.wrapped(original.value) or "GM400" not in self.ctx.fixing:
+        if "GM400" not in self.ctx.fixing or not original.args or len(original.args) != len(updated.args) or not any(
+                not a.star and self.wrapped(a.value) for a in original.args):
             return None
-        call = script_model(self.ctx).s.parent(original)
-        if not isinstance(call, cst.Call):
-            return None
-        link, _ = defined_in(self.ctx, call.func)
+        link, _ = defined_in(self.ctx, original.func)
         if link is None or "backward" in link.calls:
             return None
-        name = dotted(original.value)
-        self.report(original, f"`{name}` handed to {link.path}, which does not train: the plain model "
-                              f"(`unwrap_model({name})`), whose own methods it may call")
-        return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
+        args = list(updated.args)
+        for k, arg in enumerate(original.args):
+            if arg.star or not self.wrapped(arg.value):
+                continue
+            name = dotted(arg.value)
+            self.report(arg, f"`{name}` handed to {link.path}, which does not train: the plain model "
+                             f"(`unwrap_model({name})`), whose own methods it may call")
+            args[k] = args[k].with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(args[k].value)],
+                                                       self.fixing))
+        return updated.with_changes(args=args)
 
 
 class RankZeroOutput(_BlockRule):

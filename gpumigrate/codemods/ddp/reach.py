@@ -127,12 +127,18 @@ class Reach:
         code that every rank runs once (`fire.Fire(demo)`, `mp.spawn(main_worker, ...)`,
         `app.run(main)`): each rank runs them once."""
         out = []
-        for fn in self.s.functions.values():
-            if fn.callers or not isinstance(fn.node, cst.FunctionDef) or fn.cls is not None or any(
-                    isinstance(a, (cst.FunctionDef, cst.ClassDef)) for a in self.s.ancestors(fn.node)):
-                continue
-            refs = [n for n in self.s.index.order if isinstance(n, cst.Name) and n.value == fn.name
-                    and n is not fn.node.name]
+        candidates = [fn for fn in self.s.functions.values() if not fn.callers and isinstance(fn.node, cst.FunctionDef)
+                      and fn.cls is None and not any(isinstance(a, (cst.FunctionDef, cst.ClassDef))
+                                                           for a in self.s.ancestors(fn.node))]
+        if not candidates:
+            return out
+        names = {fn.name for fn in candidates}
+        uses: dict = {}  # one pass over the file, not one per function
+        for n in self.s.index.of(cst.Name):
+            if n.value in names:
+                uses.setdefault(n.value, []).append(n)
+        for fn in candidates:
+            refs = [n for n in uses.get(fn.name, ()) if n is not fn.node.name]
             if len(refs) != 1 or not isinstance(self.s.parent(refs[0]), cst.Arg):
                 continue
             call = self.s.parent(self.s.parent(refs[0]))
