@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.probe_runs import LAUNCH_VARS, kill_tree  # noqa: E402
+from tests.probe_runs import LAUNCH_VARS, run_bounded  # noqa: E402
 
 SHIM = ROOT / "bench" / "practice_shim"
 MANIFEST = ROOT / "bench" / "practice_corpus.json"
@@ -189,19 +189,7 @@ def launch(python: str, root: Path, entry: dict, args: List[str], nproc: int, ti
     launcher = [python] if nproc == 1 else [python, "-m", "torch.distributed.run", "--standalone",
                                             f"--nproc_per_node={nproc}"]
     cmd = [*launcher, str(gm_root / "tests" / "ddp_probe.py"), str(out), str(script), *args]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=str(cwd), env=run_env(root, entry, root, gm_root), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        code: Optional[int] = proc.returncode
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            stdout, stderr = "", "(output lost: a process survived the kill)"
-        code = None
+    code, stdout, stderr, seconds = run_bounded(cmd, cwd, run_env(root, entry, root, gm_root), timeout)
     ranks = {}
     for report in sorted(out.glob("rank*.json")):
         data = json.loads(report.read_text())
@@ -210,7 +198,7 @@ def launch(python: str, root: Path, entry: dict, args: List[str], nproc: int, ti
     ok = code == 0 and sorted(ranks) == list(range(nproc)) and not errors
     shim = sorted(set(re.findall(r"\[practice-shim\] ([^\n]*)", stderr)))
     return {"nproc": nproc, "cmd": cmd, "returncode": code, "timed_out": code is None, "ok": ok,
-            "seconds": round(time.perf_counter() - start, 1), "ranks": ranks, "out": str(out),
+            "seconds": round(seconds, 1), "ranks": ranks, "out": str(out),
             "error": _error_line(code, ranks, stderr, timeout), "stderr_tail": stderr[-4000:], "shim": shim,
             "stopped_by_step_cap": "PRACTICE_MAX_STEPS" in stderr}
 

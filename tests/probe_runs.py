@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -100,6 +100,26 @@ def _descendants(pid: int) -> List[int]:
     return found
 
 
+def run_bounded(cmd: Sequence[str], cwd: Path, env: Dict[str, str],
+                timeout: float) -> Tuple[Optional[int], str, str, float]:
+    """`cmd` in a session of its own: (exit status, stdout, stderr, seconds). Past `timeout`
+    every process it started is killed and the status is None."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(list(cmd), cwd=str(cwd), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        code: Optional[int] = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", "(output lost: a process survived the kill)"
+        code = None
+    return code, stdout, stderr, time.perf_counter() - start
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """torchrun starts each worker in a session of its own: killing torchrun's process group
     leaves them running (and holding the output pipes), so kill every descendant by pid."""
@@ -123,20 +143,8 @@ def run_probe(script: Path, work: Path, nproc: int, args: Sequence[str] = (), pr
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [*launcher, str(PROBE), *probe_args, str(out), str(local), *args]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=str(work), env=probe_env(work, env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        code: Optional[int] = proc.returncode
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            stdout, stderr = "", "(output lost: a process survived the kill)"
-        code = None
-    run = Run(kind or f"{nproc}-process", cmd, code, stdout, stderr, time.perf_counter() - start, work, out, timeout)
+    code, stdout, stderr, seconds = run_bounded(cmd, work, probe_env(work, env), timeout)
+    run = Run(kind or f"{nproc}-process", cmd, code, stdout, stderr, seconds, work, out, timeout)
     for report in sorted(out.glob("rank*.json")):
         data = json.loads(report.read_text())
         run.ranks[data["rank"]] = data
