@@ -135,7 +135,7 @@ def defined_in(ctx, func: cst.BaseExpression) -> Tuple[Optional[Any], str]:
     qualified = ctx.names.qualify(func) or ""
     module, _, name = qualified.rpartition(".")
     if module:
-        return project_module(ctx, module), name
+        return _project_module(ctx, module), name
     if not isinstance(func, cst.Name):
         return None, ""
     for stmt in ctx.module.body:  # a relative import, which names do not qualify
@@ -144,11 +144,11 @@ def defined_in(ctx, func: cst.BaseExpression) -> Tuple[Optional[Any], str]:
                 for alias in small.names:
                     if (alias.asname.name.value if alias.asname else alias.name.value) == func.value:
                         dotted = cst.Module(body=[]).code_for_node(small.module) if small.module else ""
-                        return project_module(ctx, dotted), alias.name.value
-    return star_imported(ctx, func), func.value
+                        return _project_module(ctx, dotted), alias.name.value
+    return _star_imported(ctx, func), func.value
 
 
-def star_imported(ctx, func: cst.BaseExpression) -> Optional[Any]:
+def _star_imported(ctx, func: cst.BaseExpression) -> Optional[Any]:
     """`generate(...)` after `from generate import *`: the project module that defines it, if
     this file does not."""
     if not isinstance(func, cst.Name):
@@ -162,7 +162,7 @@ def star_imported(ctx, func: cst.BaseExpression) -> Optional[Any]:
                 None)
 
 
-def project_module(ctx, module: str) -> Optional[Any]:
+def _project_module(ctx, module: str) -> Optional[Any]:
     """The project module (rewriter/project.py's Link) a dotted module name imports, if any
     (`.alias` of a relative import: by its last parts)."""
     module = module.lstrip(".")
