@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpumigrate.runtime.uneven import AVERAGE, REDUCE, _BACKEND_DEVICES, _collective, agree, remember_layout
+
 # Where DistributedDataParallel cannot be placed (an optimizer built in a helper module, double
 # backward, a functional model, a loss module with parameters, two optimizers), the ranks still
 # train one model:
@@ -129,9 +131,10 @@ class _Plan:
     For an optimizer, also what it was made from: its param_groups list, each group's params
     list and length, held (not their ids, which a new list could reuse on one rank only)."""
 
-    __slots__ = ("params", "buffers", "ids", "flags", "wrapped", "groups", "lists")
+    __slots__ = ("params", "buffers", "ids", "flags", "wrapped", "groups", "lists", "key")
 
-    def __init__(self, params: List[torch.Tensor], buffers: List[torch.Tensor]) -> None:
+    def __init__(self, params: List[torch.Tensor], buffers: List[torch.Tensor], key: int) -> None:
+        self.key = key  # the same on every rank: the optimizer's number, or -1 - the rest's size
         self.params = params
         self.buffers = buffers
         self.ids = frozenset(map(id, params))
@@ -168,7 +171,7 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer) -> _Plan:
         if any([_note_wrapped(m) for m in found]):  # a DDP the script made itself
             params = _unwrapped(params)
         buffers = _running_stats(modules, params)
-    plan = _Plan(params, buffers)
+    plan = _Plan(params, buffers, _OPTIMIZERS[id(optimizer)][0])
     plan.groups = optimizer.param_groups
     plan.lists = tuple((group["params"], len(group["params"])) for group in plan.groups)
     optimizer.__dict__[_PLAN] = plan
@@ -236,42 +239,6 @@ def _running_stats(modules: Sequence[nn.Module], params: Sequence[torch.Tensor])
 
 # ---------------------------------------------------------------------------- the average
 
-_BACKEND_DEVICES: Dict[Any, frozenset] = {}  # default group -> device types its backend takes
-
-
-def _takes(device_type: str) -> bool:
-    """Whether the default group's backend reduces tensors on `device_type` (else via the CPU)."""
-    group = dist.group.WORLD
-    types = _BACKEND_DEVICES.get(id(group))
-    if types is None:
-        capability = getattr(dist.Backend, "backend_capability", {"nccl": ["cuda"], "xccl": ["xpu"]})
-        found = set()
-        for part in str(dist.get_backend()).lower().split(","):
-            part = part.strip()
-            if ":" in part:  # "device:backend"
-                found.add(part.split(":", 1)[0].strip())
-            elif part:
-                found.update(capability.get(part, ["cpu"]))
-        types = _BACKEND_DEVICES[id(group)] = frozenset(found)
-    return device_type in types
-
-
-def _collective(flat: torch.Tensor, broadcast: bool = False) -> None:
-    """All-reduce (sum) or broadcast from rank 0 `flat` in place, on a device the backend takes."""
-    here = flat
-    if not _takes(flat.device.type):
-        kind = "cpu" if _takes("cpu") else sorted(_BACKEND_DEVICES[id(dist.group.WORLD)])[0]
-        module = getattr(torch, kind, None)
-        index = module.current_device() if kind != "cpu" and hasattr(module, "current_device") else None
-        here = flat.to(torch.device(kind, index) if index is not None else torch.device(kind))
-    if broadcast:
-        dist.broadcast(here, src=0)
-    else:
-        dist.all_reduce(here)
-    if here is not flat:
-        flat.copy_(here)
-
-
 def _changed(params: Sequence[torch.Tensor]) -> bool:
     """Whether any gradient of `params` changed since it was last averaged (see the comment
     above: the answer is the same on every rank)."""
@@ -301,7 +268,8 @@ def _average(plan: _Plan) -> None:
     params = [p for p in plan.params if p.requires_grad]
     if not _changed(params) or not dist.is_initialized():
         return
-    world = dist.get_world_size()
+    running = agree(AVERAGE, plan.key)
+    flats = []
     buckets: Dict[Tuple[torch.device, torch.dtype], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
     for param in params:
         buckets.setdefault((param.device, param.dtype), ([], []))[0].append(param)
@@ -316,8 +284,9 @@ def _average(plan: _Plan) -> None:
             tensors += buffers
             tensors.append(_flags(plan, device, dtype, have))
             flat = _flatten(tensors)
-            flat.div_(world)
+            flat.div_(running)  # a rank that has finished adds zeros (uneven.py)
             _collective(flat)
+            flats.append(flat)
             views = _unflatten(flat, tensors)
             anyone = have if all(have) else (views[-1] != 0).tolist()
             targets, sources = list(buffers), list(views[len(bucket):-1])
@@ -331,6 +300,7 @@ def _average(plan: _Plan) -> None:
                     targets.append(grad)
                     sources.append(view)
             _copy(targets, sources)
+    remember_layout(plan.key, flats)
     _mark(params)
 
 
@@ -409,7 +379,7 @@ def _plans_for(params: Sequence[torch.Tensor]) -> List[_Plan]:
         if len(_CLIP_PLANS) > 16:
             _CLIP_PLANS.clear()
         key = (_plans_version, _wrapped_version, key[2])  # building the plans may have changed both
-        cached = _CLIP_PLANS[key] = (tuple(weakref.ref(o) for o in optimizers), _Plan(rest, []) if rest else None)
+        cached = _CLIP_PLANS[key] = (tuple(weakref.ref(o) for o in optimizers), _Plan(rest, [], -1 - sum(p.numel() for p in rest) % 2**30) if rest else None)
     plans = [_optimizer_plan(o) for o in optimizers]
     return plans + [cached[1]] if cached[1] is not None else plans
 
@@ -459,8 +429,9 @@ def _averaging_closure(closure: Callable[[], Any], plan: _Plan) -> Callable[[], 
         _average(plan)
         if isinstance(loss, (torch.Tensor, int, float)):
             mean = torch.as_tensor(loss).detach().to(torch.float64).reshape(1).clone()
+            running = agree(REDUCE, 1)
             _collective(mean)
-            mean /= dist.get_world_size()
+            mean /= running
             if isinstance(loss, torch.Tensor):
                 return mean.reshape(loss.shape).to(device=loss.device, dtype=loss.dtype)
             return type(loss)(mean.item())

@@ -29,6 +29,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
                               SequentialSampler)
 from torch.utils.data.distributed import DistributedSampler
 
+from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, agree, finish, shadow
 from gpumigrate.runtime.averaging import _install_averaging, _note_wrapped, _uninstall_averaging
 from gpumigrate.runtime.device import get_device
 
@@ -132,7 +133,11 @@ def cleanup_distributed() -> None:
     work, a peer gone), the process ends with status 1 and one line on stderr. Then waits
     (milliseconds) until torch's gloo threads have let go of the tensors of the last
     collectives, so that the process can exit cleanly: see `_settle_gloo_threads`. The
-    gradient averaging of `setup_distributed` is removed first."""
+    gradient averaging of `setup_distributed` is removed first. A rank whose script ended
+    without an exception first takes part in the collectives of ranks that are still
+    training, until they all end (gpumigrate/runtime/uneven.py)."""
+    if _watch is not None and not _watch.failed and _watch.peer_failure is None and dist.is_initialized():
+        finish()
     _uninstall_averaging()
     watch = _watch
     if watch is not None and watch.thread.is_alive() and threading.current_thread() is not watch.thread:
@@ -441,6 +446,7 @@ def is_main_process() -> bool:
 def barrier() -> None:
     """Wait for every rank; a no-op in one process. Never call it on rank 0 only."""
     if is_distributed():
+        agree(BARRIER, 0)
         dist.barrier()
 
 
@@ -691,20 +697,28 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     In one process it returns `obj`."""
     if not is_distributed():
         return obj
+    agree(BROADCAST, src)
+    if get_rank() != src:
+        return _receive_object(src)
     # Pickled, then its length and its bytes as uint8 tensors: dist.broadcast_object_list
     # needs numpy under gloo, which the runtime does not depend on.
     device = _collective_device()
-    sending = get_rank() == src
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if sending else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=device), src=src)
+    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device), src=src)
+    return obj
+
+
+@shadow(BROADCAST)
+def _receive_object(src: int) -> Any:
+    """The receiving side of `broadcast_object` (also on a rank that has finished, see uneven.py)."""
+    if src == dist.get_rank():
+        raise RuntimeError(f"gpumigrate.runtime: rank {src} has finished, and another rank waits for an object from it")
+    device = _collective_device()
+    size = torch.tensor([0], dtype=torch.int64, device=device)
     dist.broadcast(size, src=src)
-    if sending:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    else:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src)
-    if sending:
-        return obj
     data = data.cpu().contiguous()
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # the bytes, copied out
 
@@ -759,6 +773,7 @@ def reduce_sum(*values: Number) -> Any:
     device = _collective_device()
     flat = [torch.as_tensor(v, dtype=torch.float64).detach().to(device).reshape(-1) for v in values]
     packed = torch.cat(flat)
+    agree(REDUCE, packed.numel())  # a rank that has finished adds zeros
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     out, start = [], 0
     for value, part in zip(values, flat):

@@ -3,7 +3,8 @@ the rank where they are bound, where `set_epoch` goes, and which sizes count thi
 
 Decides:
 - `shard_training`: the training data is sharded at all (a script that trains through
-  torch.optim optimizers, its own or its drivers');
+  torch.optim optimizers, its own or its drivers'); `unsharded_data`: it trains on data that
+  no loader brings (nothing to shard, and no model is DDP-wrapped);
 - `loader_edits` and `sharded`: a `LoaderEdit` per DataLoader call (training, evaluation, or a
   factory with a train/eval flag), or why it cannot take a sampler (reported, nothing edited);
 - `foreign_loaders`, `foreign_iterations`, `foreign_params`: training loaders made where this
@@ -67,6 +68,19 @@ class Sharding:
         whatever the analysis could prove about the script's shape. Training by hand (no
         optimizer) has no step to average at: its data stays whole."""
         return self.active and (bool(self.model.optimizers) or self._driven_by_optimizers)
+
+    @cached_property
+    def unsharded_data(self) -> bool:
+        """Training data that comes from no loader the migration shards (an environment's
+        rollouts, tensors built by hand, batches drawn at random): each rank draws its own as
+        the script does, and nothing makes the ranks reach the optimizer step equally often
+        (`if len(memory) > 2000: train()`, `while not done: update()`). Such models are not
+        DDP-wrapped: the step averaging lets a rank that finishes first take part until the
+        others finish (runtime/uneven.py), which DDP's averaging inside backward cannot."""
+        return (self.shard_training and not self.driver
+                and not any(l.role in ("train", "flag") for l in self.model.loaders)
+                and not self.foreign_loaders and not self.foreign_params and not self.foreign_iterations
+                and not self._rebuilt_loaders)
 
     @cached_property
     def _driven_by_optimizers(self) -> bool:

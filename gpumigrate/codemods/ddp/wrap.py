@@ -17,6 +17,7 @@ Relies on, from DdpPlan (ddp_plan.py) and its other mixins:
   (ddp_plan.py); `self._wrapped_memo` and `self._visited`, the memo and the walk of
   `wrapped_reference`, set in `DdpPlan.__init__`;
 - `self.shard_training` (data.py): `averaging` speaks only where the training data is sharded;
+  `self.unsharded_data` (data.py): no model is DDP-wrapped where no loader brings the data;
 - `self.torchrun` (reach.py): is the script's own wrap on a path torchrun takes.
 """
 
@@ -63,7 +64,7 @@ class Wraps:
             if model.loss_module:
                 continue
             wrap = self._wrap_point(model)
-            if wrap is not None:
+            if wrap is not None and (wrap.existing or not self.unsharded_data):
                 wrap.find_unused = self._conditional_forward(model)
                 out.append(wrap)
         return out
@@ -237,7 +238,7 @@ class Wraps:
             if model.loss_module:
                 out.append((model.optimizers[0].site, f"`{model.name}` is a loss module with parameters the "
                                                       "optimizer trains: it is not DDP-wrapped"))
-            elif model.name not in wrapped:
+            elif model.name not in wrapped and not self.unsharded_data:  # unsharded: review_items says why
                 out.append((model.optimizers[0].site, f"`{model.name}` is not DDP-wrapped (no place before its "
                                                       "training where it is made and moved)"))
         return out
