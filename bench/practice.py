@@ -19,7 +19,9 @@ entry, in a scratch copy of its files (the script and the sibling modules it imp
 3. a class, from the probe's records of the ddp run:
    - data-parallel: every optimizer's parameters identical on both ranks at exit, and the
      training data sharded (a DistributedSampler or the runtime's shard with 2 replicas, the
-     ranks drawing disjoint indices);
+     ranks drawing disjoint indices) or, without a sampler, of each rank's own (the inputs of
+     the training forwards differ between the ranks on at least 90% of the steps: an
+     environment per rank, batches drawn at random per rank);
    - sync-only: identical parameters, data not sharded (each rank trains on all of it);
    - independent: the ranks end with different parameters (silently wrong unless a review item
      said so: the notes say which);
@@ -262,7 +264,7 @@ def sharding(run: dict) -> dict:
     first = lambda rep: {s["sampler"]: s for s in rep.get("samplers", []) if s.get("call") == 0}  # noqa: E731
     s0, s1 = first(r0), first(r1)
     if not s0:
-        return {"sharded": False, "why": "no sampler recorded (no DataLoader with a sampler the probe sees)"}
+        return _own_data(r0.get("inputs") or [], r1.get("inputs") or [])
     best = max(s0.values(), key=lambda s: len(s["indices"]))
     other = s1.get(best["sampler"])
     info = {"kind": best["kind"], "dataset_len": best.get("dataset_len"), "drawn": [len(best["indices"])]}
@@ -280,6 +282,21 @@ def sharding(run: dict) -> dict:
     info["why"] = (f"{best['kind']}, {replicas} replica(s), ranks drew {len(a)} and {len(b)} of "
                    f"{best.get('dataset_len')} (overlap {len(a & b)})")
     return info
+
+
+def _own_data(first: List[str], second: List[str]) -> dict:
+    """Without a sampler: do the ranks feed their training forwards data of their own (an
+    environment each, batches drawn at random per rank)? Compared step by step on the
+    fingerprints the probe took before each optimizer step."""
+    pairs = list(zip(first, second))
+    differ = sum(a != b for a, b in pairs)
+    if pairs and differ >= 0.9 * len(pairs):
+        return {"sharded": True, "kind": "own data", "why": f"no sampler; each rank trains on data of its own (the "
+                f"training inputs differ between the ranks on {differ} of {len(pairs)} steps)"}
+    why = "no sampler recorded (no DataLoader with a sampler the probe sees)"
+    if pairs:
+        why += f"; the training inputs are the same on both ranks on {len(pairs) - differ} of {len(pairs)} steps"
+    return {"sharded": False, "why": why}
 
 
 def classify(rec: dict) -> None:

@@ -20,7 +20,10 @@ instruments from the outside:
 * `torch.load` calls (`torch_loads`: path, the weights_only argument, what came back),
   `shutil.copyfile`/`copy`/`copy2` destinations (`copies`) and `pickle.dump` files (`pickles`);
 * with GPUMIGRATE_PROBE_FORWARDS=1 in the environment, every module forward, counted by class,
-  training mode and whether autograd was recording (`forwards`).
+  training mode and whether autograd was recording (`forwards`);
+* before each optimizer step, a fingerprint (shape, sum, sum of squares) of the first tensor
+  given to the first forward in training mode with autograd on (`inputs`): ranks that train
+  on data of their own (an environment each, batches drawn without a sampler) differ there.
 
 When SCRIPT ends (also when it raises: the error is recorded, then re-raised) the probe writes
 OUT_DIR/rank{RANK}.json, and for each recorded model the flattened float64 parameter vector
@@ -218,9 +221,16 @@ class Extras:
         self.copies: list = []
         self.pickles: list = []
         self.forwards: dict = {}        # (class, class module, training, grad enabled) -> count
+        # a fingerprint of the first tensor given to the first training forward (grad enabled)
+        # before each optimizer step: ranks that train on their own data differ step by step
+        self.inputs: list = []
+        self.want_input = True
 
 
 EXTRA = Extras()
+
+
+MAX_INPUTS = 2000
 
 
 def _optimizer_vector(optimizer) -> torch.Tensor:
@@ -248,7 +258,17 @@ def _patch_optimizers() -> None:
         if entry is not None and entry["optimizer"] is optimizer:
             entry["before"] = _optimizer_vector(optimizer)
 
+    def first_input(module, inputs):
+        if EXTRA.active and EXTRA.want_input and module.training and torch.is_grad_enabled() \
+                and len(EXTRA.inputs) < MAX_INPUTS:
+            tensor = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+            if tensor is not None:
+                EXTRA.want_input = False
+                values = tensor.detach().to("cpu", torch.float64).reshape(-1)
+                EXTRA.inputs.append(f"{tuple(tensor.shape)}:{float(values.sum()):.12g}:{float(values.square().sum()):.12g}")
+
     def after_step(optimizer, args, kwargs):
+        EXTRA.want_input = True
         entry = EXTRA.by_id.get(id(optimizer))
         if entry is not None and entry["optimizer"] is optimizer and entry["before"] is not None:
             entry["steps"] += 1
@@ -259,6 +279,7 @@ def _patch_optimizers() -> None:
     torch.optim.Optimizer.__init__ = __init__
     register_optimizer_step_pre_hook(before_step)
     register_optimizer_step_post_hook(after_step)
+    torch.nn.modules.module.register_module_forward_pre_hook(first_input)
 
 
 def _loaded_kind(obj) -> str:
@@ -360,7 +381,7 @@ def _describe_extras(out_dir: Path, rank: int) -> dict:
     forwards = [{"module": k[0], "module_of_class": k[1], "training": k[2], "grad_enabled": k[3], "calls": n}
                 for k, n in sorted(EXTRA.forwards.items())]
     return {"optimizers": optimizers, "torch_loads": EXTRA.loads, "copies": EXTRA.copies,
-            "pickles": EXTRA.pickles, "forwards": forwards}
+            "pickles": EXTRA.pickles, "forwards": forwards, "inputs": EXTRA.inputs}
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -230,11 +230,9 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
         if self.unsharded_data:
             items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded; every rank "
                                  "draws its batches as the script does (the same ones where their order is seeded alike, "
-                                 "others where it is not, as an environment's episodes) and the gradients are averaged at "
-                                 "each optimizer step, so the ranks keep one model; ranks may step a different number of "
-                                 "times (a rank that finishes first takes part until the others finish), so no model is "
-                                 "DDP-wrapped; for a speed-up, shard the index range by get_rank()/get_world_size() by "
-                                 "hand"))
+                                 "others where it is not, as an environment's episodes) and the gradients are averaged, "
+                                 "so the ranks keep one model, trained on more data only where their batches differ; for "
+                                 "a speed-up, shard the index range by get_rank()/get_world_size() by hand"))
         for loader in self.model.loaders:
             edit = self.sharded(loader.call)
             batch = call_argument(loader.call, "batch_size", 1)

@@ -130,9 +130,19 @@ class DdpSetup(Rule):
     examples = (
         Flagged(
             "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-            "model(x).sum().backward()\nopt.step()\n",
-            fixed="import torch\nfrom gpumigrate.runtime import setup_distributed, wrap_model\n\n"
+            "loader = torch.utils.data.DataLoader(data, batch_size=8)\n"
+            "for x in loader:\n    model(x).sum().backward()\n    opt.step()\n",
+            fixed="import torch\nfrom gpumigrate.runtime import distributed_sampler, setup_distributed, wrap_model\n\n"
             "device = setup_distributed()\nmodel = Net().to(device)\nmodel = wrap_model(model)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=distributed_sampler(data, shuffle=False))\n"
+            "for x in loader:\n    model(x).sum().backward()\n    opt.step()\n",
+        ),
+        Flagged(  # no loader brings the data: the ranks may step unevenly, which DDP cannot survive
+            "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "model(x).sum().backward()\nopt.step()\n",
+            fixed="import torch\nfrom gpumigrate.runtime import setup_distributed\n\n"
+            "device = setup_distributed()\nmodel = Net().to(device)\n"
             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nmodel(x).sum().backward()\nopt.step()\n",
         ),
         Clean("import torch\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n        return x\n"),

@@ -238,7 +238,12 @@ class Wraps:
             if model.loss_module:
                 out.append((model.optimizers[0].site, f"`{model.name}` is a loss module with parameters the "
                                                       "optimizer trains: it is not DDP-wrapped"))
-            elif model.name not in wrapped and not self.unsharded_data:  # unsharded: review_items says why
+            elif model.name not in wrapped and self.unsharded_data:
+                out.append((model.optimizers[0].site, f"`{model.name}` is not DDP-wrapped: no loader brings its "
+                                                      "training data, so the ranks may step a different number of "
+                                                      "times (a rank that finishes first takes part in the others' "
+                                                      "steps until they finish)"))
+            elif model.name not in wrapped:
                 out.append((model.optimizers[0].site, f"`{model.name}` is not DDP-wrapped (no place before its "
                                                       "training where it is made and moved)"))
         return out
