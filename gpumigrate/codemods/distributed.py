@@ -138,12 +138,13 @@ class DdpSetup(Rule):
             "loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=distributed_sampler(data, shuffle=False))\n"
             "for x in loader:\n    model(x).sum().backward()\n    opt.step()\n",
         ),
-        Flagged(  # no loader brings the data: the ranks may step unevenly, which DDP cannot survive
+        Flagged(  # no loader brings the data and a data test guards the step: no DDP (uneven steps)
             "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-            "model(x).sum().backward()\nopt.step()\n",
+            "if len(memory) > 100:\n    model(x).sum().backward()\n    opt.step()\n",
             fixed="import torch\nfrom gpumigrate.runtime import setup_distributed\n\n"
             "device = setup_distributed()\nmodel = Net().to(device)\n"
-            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nmodel(x).sum().backward()\nopt.step()\n",
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "if len(memory) > 100:\n    model(x).sum().backward()\n    opt.step()\n",
         ),
         Clean("import torch\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n        return x\n"),
     )

@@ -137,7 +137,10 @@ def cleanup_distributed() -> None:
     without an exception first takes part in the collectives of ranks that are still
     training, until they all end (gpumigrate/runtime/uneven.py)."""
     if _watch is not None and not _watch.failed and _watch.peer_failure is None and dist.is_initialized():
-        finish()
+        try:
+            finish()
+        except Exception:  # a peer has gone (failed: its announcement says so); leave as usual
+            pass
     _uninstall_averaging()
     watch = _watch
     if watch is not None and watch.thread.is_alive() and threading.current_thread() is not watch.thread:

@@ -17,7 +17,8 @@ Relies on, from DdpPlan (ddp_plan.py) and its other mixins:
   (ddp_plan.py); `self._wrapped_memo` and `self._visited`, the memo and the walk of
   `wrapped_reference`, set in `DdpPlan.__init__`;
 - `self.shard_training` (data.py): `averaging` speaks only where the training data is sharded;
-  `self.unsharded_data` (data.py): no model is DDP-wrapped where no loader brings the data;
+  `self.unsharded_data` (data.py): where no loader brings the data, models whose steps may be
+  reached unevenly (`uneven_steps`) are not DDP-wrapped;
 - `self.torchrun` (reach.py): is the script's own wrap on a path torchrun takes.
 """
 
@@ -30,7 +31,7 @@ from typing import Any, List, Optional, Set, Tuple
 import libcst as cst
 
 from gpumigrate.analysis.model import TrainedModel
-from gpumigrate.analysis.structure import Function, dotted
+from gpumigrate.analysis.structure import NEVER, Function, dotted
 from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.analysis.values import call_argument
 
@@ -42,6 +43,11 @@ class Wrap:
     anchor: cst.CSTNode  # a small statement (before) or a line (after)
     find_unused: bool = False
     existing: bool = False  # the script wraps it already (an earlier run, or its own DDP)
+
+
+# builtins whose result depends only on their arguments' values (a test of them is no data test)
+_PURE_BUILTINS = frozenset({"isinstance", "hasattr", "getattr", "int", "float", "str", "bool", "abs", "min", "max",
+                            "round", "range"})
 
 
 class Wraps:
@@ -64,7 +70,7 @@ class Wraps:
             if model.loss_module:
                 continue
             wrap = self._wrap_point(model)
-            if wrap is not None and (wrap.existing or not self.unsharded_data):
+            if wrap is not None and (wrap.existing or self.uneven_steps is None):
                 wrap.find_unused = self._conditional_forward(model)
                 out.append(wrap)
         return out
@@ -238,7 +244,7 @@ class Wraps:
             if model.loss_module:
                 out.append((model.optimizers[0].site, f"`{model.name}` is a loss module with parameters the "
                                                       "optimizer trains: it is not DDP-wrapped"))
-            elif model.name not in wrapped and self.unsharded_data:
+            elif model.name not in wrapped and self.uneven_steps is not None:
                 out.append((model.optimizers[0].site, f"`{model.name}` is not DDP-wrapped: no loader brings its "
                                                       "training data, so the ranks may step a different number of "
                                                       "times (a rank that finishes first takes part in the others' "
@@ -247,6 +253,56 @@ class Wraps:
                 out.append((model.optimizers[0].site, f"`{model.name}` is not DDP-wrapped (no place before its "
                                                       "training where it is made and moved)"))
         return out
+
+    @cached_property
+    def uneven_steps(self) -> Optional[cst.CSTNode]:
+        """Where no loader brings the training data (`unsharded_data`): the first condition
+        that may let the ranks reach an optimizer step a different number of times, as their
+        data differ (a `while`, an `if` on a value computed from data, `memory.size() > 2000`
+        or `done`, a loop left on such a value), through the calls that lead to the step.
+        Those models are not DDP-wrapped (see runtime/uneven.py). None where every step sits
+        under `for` loops and tests of constants, settings and counters only: DDP stays."""
+        if not self.unsharded_data:
+            return None
+        seen: Set[int] = set()
+        todo: List[cst.CSTNode] = list(self.model.step_calls)
+        while todo:
+            node = todo.pop()
+            child = node
+            for ancestor in self.s.ancestors(node):
+                if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
+                    break
+                if isinstance(ancestor, (cst.If, cst.While)) and not self.s.index.contains(ancestor.test, child) \
+                        and (isinstance(ancestor, cst.While) or self._data_test(ancestor.test)):
+                    return ancestor
+                if isinstance(ancestor, cst.For) and any(
+                        isinstance(a, cst.If) and self._data_test(a.test)
+                        for exit_ in self.s.own(ancestor, (cst.Break, cst.Return))
+                        for a in self.s.ancestors(exit_) if self.s.index.contains(ancestor, a)):
+                    return ancestor
+                child = ancestor
+            fn = self.s.function(node)
+            if fn is not None and id(fn.node) not in seen:
+                seen.add(id(fn.node))
+                todo.extend(fn.callers)
+        return None
+
+    def _data_test(self, test: cst.BaseExpression) -> bool:
+        """A test on a value computed by a call (`memory.size()`, `done` from `env.step()`),
+        not on constants, settings (`args.x`, `self.x`) and counters."""
+        for node in self.s.index.subtree(test):
+            if isinstance(node, cst.Call):
+                if not (isinstance(node.func, cst.Name) and node.func.value in _PURE_BUILTINS):
+                    return True
+            elif isinstance(node, cst.Name) and not isinstance(self.s.parent(node), cst.Attribute):
+                stmt = self.s.statement(test)
+                _, bindings = self.s.lookup(node.value, self.s.scope(node), self.s.order(stmt) if stmt is not None else NEVER)
+                for b in bindings:
+                    if b.how in ("assign", "unpack", "aug") and isinstance(b.value, cst.CSTNode) and any(
+                            isinstance(c, cst.Call) and not (isinstance(c.func, cst.Name) and c.func.value in _PURE_BUILTINS)
+                            for c in self.s.index.subtree(b.value)):
+                        return True
+        return False
 
     def averaging(self) -> List[Tuple[cst.CSTNode, str]]:
         """The parameters trained data-parallel by gradient averaging at the optimizer step."""
