@@ -63,9 +63,9 @@ def main_block(module: cst.Module) -> Optional[cst.If]:
     return None
 
 
-def _executable(stmt: cst.CSTNode) -> bool:
+def _executable(stmt: cst.CSTNode, index) -> bool:
     """Does a module-level statement run code when the script starts (not a definition, an
-    import or a constant)?"""
+    import or a constant)? `index`: the file's pre-order index."""
     if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
         return False
     if isinstance(stmt, cst.If) and _MAIN_TEST.search(cst.Module(body=[]).code_for_node(stmt.test)):
@@ -81,7 +81,7 @@ def _executable(stmt: cst.CSTNode) -> bool:
             if isinstance(small, cst.Expr) and isinstance(small.value, (cst.SimpleString, cst.ConcatenatedString)):
                 continue  # a docstring
             if isinstance(small, (cst.Assign, cst.AnnAssign)) and small.value is not None and \
-                    not _has_call(small.value):
+                    not any(isinstance(n, cst.Call) for n in index.subtree(small.value)):
                 continue  # a constant
             return True
         return False
@@ -97,16 +97,6 @@ def device_definition(stmt: cst.CSTNode, qualify, helpers: Tuple[str, ...] = ("g
     small = stmt.body[0]
     return isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name) \
         and isinstance(small.value, cst.Call) and runtime_helper(qualify(small.value.func)) in helpers
-
-
-def _has_call(node: cst.CSTNode) -> bool:
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, cst.Call):
-            return True
-        stack.extend(current.children)
-    return False
 
 
 class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
@@ -133,7 +123,7 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
         """Where the script starts running: ("module", None) for module-level code, ("main",
         the `if __name__ == "__main__":` block) for a script whose code all runs from there."""
         module = self.ctx.module
-        if any(_executable(stmt) and not device_definition(stmt, self.model.qualify, ("get_device", "grad_scaler"))
+        if any(_executable(stmt, self.s.index) and not device_definition(stmt, self.model.qualify, ("get_device", "grad_scaler"))
                for stmt in module.body):
             return ("module", None)
         block = main_block(module)

@@ -611,6 +611,10 @@ class _Chain:
 FAST_TRAVERSAL = True
 
 
+class _Edits(Exception):
+    """A rule whose fixes are applied asked to edit a node (see `_Dispatch.observe`)."""
+
+
 class _Dispatch(cst.CSTTransformer):
     """One traversal that calls every rule's visit_/leave_ methods for each node."""
 
@@ -626,16 +630,38 @@ class _Dispatch(cst.CSTTransformer):
                 elif attr.startswith("leave_") and attr.count("_") == 1:
                     self.leaves[attr[6:]].append((rule, getattr(rule, attr)))
 
-    def observe(self, index: NodeIndex) -> None:
+    def observe(self, index: NodeIndex) -> bool:
         """The rules' visit_ and leave_ calls of a traversal, over the index (lint: no rule's
         output is used, so no node needs rebuilding); a leave gets the node as `updated` too.
         Only nodes a rule handles are stepped on; `ctx.ancestors` is brought to each one's
-        path from the one before, so the rules see what the traversal would show them."""
+        path from the one before, so the rules see what the traversal would show them.
+        Returns whether a rule whose fixes are applied asked to edit a node: if none did, the
+        transform would rebuild the tree as it is."""
         order, end, parent = index.order, index._end, index._parent
         names = set(self.visits) | set(self.leaves)
         handled = {kind for kind in node_types(cst.CSTNode) if kind.__name__ in names}
         visits = {kind: self.visits.get(kind.__name__, []) for kind in handled}
-        leaves = {kind: [leave for _, leave in self.leaves.get(kind.__name__, ())] for kind in handled}
+        fixing = self.ctx.fixing
+
+        def watched(leave: Callable) -> Callable:
+            def run(original: cst.CSTNode, updated: cst.CSTNode) -> None:
+                try:
+                    out = leave(original, updated)
+                except Exception:  # it expected its own edits below: it edits
+                    raise _Edits from None
+                if out is not None:
+                    raise _Edits
+            return run
+
+        leaves = {kind: [watched(leave) if rule.code in fixing else leave
+                         for rule, leave in self.leaves.get(kind.__name__, ())] for kind in handled}
+        try:
+            self._walk(order, end, parent, handled, visits, leaves)
+        except _Edits:
+            return True
+        return False
+
+    def _walk(self, order, end, parent, handled, visits, leaves) -> None:
         ancestors, at = self.ctx.ancestors, []  # the path's nodes and their positions
 
         def move_to(i: int) -> None:  # make the path the one from the root to position i
@@ -1070,16 +1096,34 @@ def process(
             fix = [c for c in fix if not _covers(off, c)]
         if front.names is None:
             front.names = names_factory(module)
-        ctx = FileContext(module, path, whole, front.names, options)
-        ctx.fixing = set(fix)
-        ctx.statement_lines = front.statement_lines
-        ctx._index, ctx._tree_facts = front.index, front.tree_facts
-        # A repair is reported under its own code only if that rule is selected; when the
-        # file is rewritten the repair is part of the output either way, and counts as a fix.
-        codes = {r.code for r in rules}
-        ctx.reports.extend(rep for rep in front.early if rep.code in codes or ctx.fixing)
+
+        def context() -> FileContext:
+            ctx = FileContext(module, path, whole, front.names, options)
+            ctx.fixing = set(fix)
+            ctx.statement_lines = front.statement_lines
+            ctx._index, ctx._tree_facts = front.index, front.tree_facts
+            # A repair is reported under its own code only if that rule is selected; when the
+            # file is rewritten the repair is part of the output either way, and counts as a fix.
+            codes = {r.code for r in rules}
+            ctx.reports.extend(rep for rep in front.early if rep.code in codes or ctx.fixing)
+            return ctx
+
+        ctx = context()
         token = CURRENT.set(ctx)
         active = [rule(ctx) for rule in rules if _applies(rule, whole) or _wanted(rule, ctx.options)]
+        if active and ctx.fixing and _fast_traversal():
+            # Most files a migration reads need no edit: look first, over the index, and
+            # rebuild the tree (LibCST's transform, most of a run's time) only where a fix asks
+            # to, in a fresh run (the rules keep state).
+            if not (_Dispatch(ctx, active).observe(ctx.index) or ctx.finishers or ctx.imports_to_add
+                    or ctx.imports_to_remove or ctx._removed):
+                active = []
+            else:
+                front.index = ctx._index
+                CURRENT.reset(token)
+                ctx = context()
+                token = CURRENT.set(ctx)
+                active = [rule(ctx) for rule in rules if _applies(rule, whole) or _wanted(rule, ctx.options)]
         if not active:
             new_module = module
         elif ctx.fixing or not _fast_traversal():
@@ -1094,7 +1138,7 @@ def process(
         CURRENT.reset(token)
         front.index = ctx._index
         result.findings = _findings(ctx)
-        new_source = new_module.bytes if ctx.fixing else parsed_source
+        new_source = new_module.bytes if ctx.fixing and new_module is not module else parsed_source
         if new_source != source and ctx.fixing:
             if new_module is module or not any(f.fixed for f in result.findings):
                 return result  # nothing was fixed: whatever differs is not ours to change

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -77,8 +78,14 @@ class _Reader:
         return self.modules[path]
 
 
+_READ_LIMIT = 2 * 1024 * 1024  # a project module is read whole: no data file, FIFO or device
+
+
 def _read(path: Path) -> Optional[_Module]:
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _READ_LIMIT:
+            return None  # a FIFO would block the run; the engine says what it makes of the file
         data = path.read_bytes()
         tree = ast.parse(data)
     except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
@@ -162,7 +169,7 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
     reader = _Reader()
     in_run = {Path(p).resolve() for p in paths}
     out: Dict[str, Project] = {}
-    folders: Dict[Path, List[Path]] = {}
+    folders: Dict[Path, Tuple[Dict[Path, List[_Module]], Set[Path]]] = {}  # -> (importing scripts, star-imported)
     for raw in paths:
         path = Path(raw).resolve()
         module = reader.get(path)
@@ -171,25 +178,35 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
         imports = [link for link in (_link(reader.get(t), in_run) for t in module.imports) if link is not None]
         folder = path.parent
         if folder not in folders:
-            try:
-                folders[folder] = sorted(p for p in folder.iterdir() if p.suffix == ".py" and p.is_file())[:_SCAN_LIMIT]
-            except OSError:
-                folders[folder] = []
-        importers = []
-        starred = False
-        for sibling in folders[folder]:
-            other = reader.get(sibling)
-            if other is None or other.path == path:
-                continue
-            starred = starred or path in other.star_imports
-            if path in other.imports and other.script:
-                link = _link(other, in_run)
-                if link is not None:
-                    importers.append(link)
+            folders[folder] = _folder_links(folder, reader)
+        scripts, star_imported = folders[folder]
+        importers = [link for link in (_link(other, in_run) for other in scripts.get(path, ()) if other.path != path)
+                     if link is not None]
+        starred = path in star_imported
         if imports or importers or starred:
             out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)),
                                starred)
     return out
+
+
+def _folder_links(folder: Path, reader: _Reader) -> Tuple[Dict[Path, List[_Module]], Set[Path]]:
+    """For the modules of `folder` (once per folder, not once per file): the scripts of the
+    folder that import each, and the modules some file of the folder star-imports."""
+    try:
+        siblings = sorted(p for p in folder.iterdir() if p.suffix == ".py" and p.is_file())[:_SCAN_LIMIT]
+    except OSError:
+        siblings = []
+    scripts: Dict[Path, List[_Module]] = {}
+    starred: Set[Path] = set()
+    for sibling in siblings:
+        other = reader.get(sibling)
+        if other is None:
+            continue
+        starred.update(other.star_imports)
+        if other.script:
+            for target in other.imports:
+                scripts.setdefault(target, []).append(other)
+    return scripts, starred
 
 
 def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:

@@ -67,9 +67,12 @@ def process_passes(source: bytes, path: str, passes: Sequence[Pass], options: Op
     if len(passes) == 1 and not passes[0][1]:  # lint: nothing changes, one run
         return one(source, *passes[0])
     current, findings, known = source, [], set()
+    settled: Dict[int, bytes] = {}  # pass -> the text it last left unchanged: run again, it would again
     for round_ in range(MAX_ROUNDS):
         changed = False
-        for rules, fix in passes:
+        for number, (rules, fix) in enumerate(passes):
+            if settled.get(number) is current:
+                continue
             result = one(current, rules, fix)
             if result.error is not None:
                 return FileResult(path=path, source=source, error=result.error)
@@ -83,6 +86,8 @@ def process_passes(source: bytes, path: str, passes: Sequence[Pass], options: Op
                 known.add(key)
             if result.changed:
                 current, changed = result.new_source, True
+            else:
+                settled[number] = current
         if not changed:
             out = FileResult(path=path, source=source, findings=findings)
             out.new_source = current if current != source else None
