@@ -1033,6 +1033,12 @@ class DeprecatedOverload(Rule):
             "import torch\ncorrect = pred.t().eq(target.view(1, -1))\nn = correct[:5].view(-1).float().sum(0)\n",
             fixed="import torch\ncorrect = pred.t().eq(target.view(1, -1))\nn = correct[:5].reshape(-1).float().sum(0)\n",
         ),
+        Flagged(  # the same in a script written for torch 0.3, whose `prec1[0]` reads a one-element sum
+            "import torch\nfrom torch.autograd import Variable\ncorrect = pred.t().eq(target.view(1, -1))\n"
+            "n = correct[:5].view(-1).float().sum(0)\n",
+            fixed="import torch\nfrom torch.autograd import Variable\ncorrect = pred.t().eq(target.view(1, -1))\n"
+                  "n = correct[:5].reshape(-1).float().sum(0, keepdim=True)\n",
+        ),
         Clean("import torch\nflat = x[:, :2].view(-1)\nflat[0] = 1\n"),  # written through: a view it stays
         Clean("import torch\nx.add_(y, alpha=2)\nz = torch.add(a, b)\n"),
         Clean("import torch\nignore = torch.full((8,), -100)\nloss = torch.nn.CrossEntropyLoss()(out, ignore)\n"),
@@ -1066,7 +1072,26 @@ class DeprecatedOverload(Rule):
             value, t1, t2 = updated.args
             return with_args(updated, [t1, t2.with_changes(comma=cst.MaybeSentinel.DEFAULT),
                                        keyword_arg("value", value.value)])
+        if self._flat_sum(original):
+            self.report(original, "in torch 0.3 `.sum(0)` of a flat tensor had one element (`prec1[0]` reads it); "
+                                  "today's is 0-dim, which cannot be indexed: `keepdim=True` keeps the one element")
+            return with_args(updated, [*updated.args, keyword_arg("keepdim", cst.Name("True"))])
         return self._reduction(original, updated, qualified)
+
+    def _flat_sum(self, call: cst.Call) -> bool:
+        """`x.view(-1).float().sum(0)` in a script written for torch 0.3 (`era_03`), whose
+        result the script then indexes (`res[0]`): one element there, 0-dim today."""
+        if not (is_method_call(call, "sum") and len(call.args) == 1 and call.args[0].keyword is None
+                and m.matches(call.args[0].value, m.Integer("0"))):
+            return False
+        receiver = call.func.value
+        while m.matches(receiver, m.Call(func=m.Attribute(attr=m.Name("float") | m.Name("long") | m.Name("double")
+                                                                 | m.Name("byte") | m.Name("int")), args=[])):
+            receiver = receiver.func.value
+        flat = m.matches(receiver, m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape")),
+                                          args=[m.Arg(value=m.UnaryOperation(operator=m.Minus(),
+                                                                            expression=m.Integer("1")))]))
+        return flat and script_model(self.ctx).era_03
 
     def _flattened_slice(self, call: cst.Call) -> bool:
         """`correct[:k].view(-1).float().sum(0)` (the accuracy() of pytorch/examples, 2017): a
