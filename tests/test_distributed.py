@@ -395,3 +395,35 @@ def test_files_read_back_are_waited_for_and_the_folder_test_is_rank_0s():
 def test_files_never_read_back_need_no_barrier():
     out, _ = ddp(PLOTS.format(end="print('done')"))
     assert "barrier" not in out and "broadcast_object" not in out
+
+
+GLOB_CLEANUP = """\
+import glob, os
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = torch.utils.data.DataLoader(train_set, batch_size=4, shuffle=True)
+best_epoch = 0
+for epoch in range(3):
+    for x, y in loader:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    torch.save(model.state_dict(), '{}.pkl'.format(epoch))
+    files = glob.glob('*.pkl')
+    for file in files:
+        if int(file.split('.')[0]) < best_epoch:
+            os.remove(file)
+model.load_state_dict(torch.load('{}.pkl'.format(best_epoch)))
+"""
+
+
+def test_no_barrier_in_a_loop_over_a_listing_of_files_rank_0_changes():
+    """Practice corpus (pyGAT): `for file in glob.glob('*.pkl'): os.remove(file)` finds a
+    different number of files on each rank while rank 0 deletes them, so a barrier per removal
+    made ranks call different numbers of collectives (one rank's barrier met the other's DDP
+    all_reduce). The save every rank reaches keeps its barrier."""
+    out, _ = ddp(GLOB_CLEANUP)
+    assert "        torch.save(unwrap_model(model).state_dict(), '{}.pkl'.format(epoch))\n    barrier()\n" in out
+    assert "            if is_main_process():\n                os.remove(file)\n" in out
+    assert out.count("barrier()") == 1

@@ -24,6 +24,7 @@ import libcst as cst
 from gpumigrate.analysis.launch import Torchrun
 from gpumigrate.analysis.structure import Function
 
+_LISTINGS = ("glob.", "os.listdir", "os.scandir", "os.walk")
 _RANK0_TEST = re.compile(r"(rank\b[^=]*==\s*0|rank\s+in\s*[\[(]\s*-1\s*,\s*0|rank\s*<=\s*0|is_main_process\(\)|"
                          r"is_master|get_rank\(\)\s*==\s*0|local_rank\s+in\s*\[)")
 # rank 0 of the whole job (not `local_rank == 0`, true once per machine)
@@ -72,8 +73,26 @@ class Reach:
                 return False
             if isinstance(ancestor, cst.For) and id(ancestor) in self._unpadded_loops:
                 return False
+            if isinstance(ancestor, cst.For) and child is not ancestor.iter and self._lists_files(ancestor.iter):
+                return False  # `for f in glob.glob('*.pkl')`: rank 0's writes change what each rank finds
             child = ancestor
         return True
+
+    def _lists_files(self, expr: cst.BaseExpression) -> bool:
+        """A listing of the filesystem (`glob.glob(...)`, `os.listdir(d)`, `path.iterdir()`),
+        or a name bound to one."""
+        def listing(node: cst.CSTNode) -> bool:
+            return any((self.model.qualify(c.func) or "").startswith(_LISTINGS) or isinstance(c.func, cst.Attribute)
+                       and c.func.attr.value in ("glob", "rglob", "iterdir") for c in self.s.inside(node, cst.Call))
+
+        if listing(expr):
+            return True
+        for name in self.s.inside(expr, cst.Name):
+            _, bindings = self.s.lookup(name.value, self.s.scope(name))
+            if any(b.how in ("assign", "unpack") and isinstance(b.value, cst.CSTNode) and listing(b.value)
+                   for b in bindings):
+                return True
+        return False
 
     @cached_property
     def _unpadded_loops(self) -> Set[int]:
