@@ -21,9 +21,10 @@ instruments from the outside:
   `shutil.copyfile`/`copy`/`copy2` destinations (`copies`) and `pickle.dump` files (`pickles`);
 * with GPUMIGRATE_PROBE_FORWARDS=1 in the environment, every module forward, counted by class,
   training mode and whether autograd was recording (`forwards`);
-* before each optimizer step, a fingerprint (shape, sum, sum of squares) of the first tensor
-  given to the first forward in training mode with autograd on (`inputs`): ranks that train
-  on data of their own (an environment each, batches drawn without a sampler) differ there.
+* at each optimizer step, a fingerprint (shapes, sums, sums of squares) of the first tensor
+  given to each outermost forward in training mode with autograd on since the step before
+  (`inputs`): ranks that train on data of their own (an environment each, batches drawn
+  without a sampler) differ there.
 
 When SCRIPT ends (also when it raises: the error is recorded, then re-raised) the probe writes
 OUT_DIR/rank{RANK}.json, and for each recorded model the flattened float64 parameter vector
@@ -221,10 +222,12 @@ class Extras:
         self.copies: list = []
         self.pickles: list = []
         self.forwards: dict = {}        # (class, class module, training, grad enabled) -> count
-        # a fingerprint of the first tensor given to the first training forward (grad enabled)
-        # before each optimizer step: ranks that train on their own data differ step by step
+        # per optimizer step, a fingerprint of the first tensor given to each outermost training
+        # forward (grad enabled) since the step before: ranks that train on their own data
+        # differ step by step
         self.inputs: list = []
-        self.want_input = True
+        self.since_step: list = []
+        self.depth = 0
 
 
 EXTRA = Extras()
@@ -258,17 +261,23 @@ def _patch_optimizers() -> None:
         if entry is not None and entry["optimizer"] is optimizer:
             entry["before"] = _optimizer_vector(optimizer)
 
-    def first_input(module, inputs):
-        if EXTRA.active and EXTRA.want_input and module.training and torch.is_grad_enabled() \
-                and len(EXTRA.inputs) < MAX_INPUTS:
+    def enter(module, inputs):
+        EXTRA.depth += 1
+        if EXTRA.depth == 1 and EXTRA.active and module.training and torch.is_grad_enabled() \
+                and len(EXTRA.inputs) < MAX_INPUTS and len(EXTRA.since_step) < MAX_INPUTS:
             tensor = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
             if tensor is not None:
-                EXTRA.want_input = False
                 values = tensor.detach().to("cpu", torch.float64).reshape(-1)
-                EXTRA.inputs.append(f"{tuple(tensor.shape)}:{float(values.sum()):.12g}:{float(values.square().sum()):.12g}")
+                EXTRA.since_step.append(f"{tuple(tensor.shape)}:{float(values.sum()):.12g}:"
+                                        f"{float(values.square().sum()):.12g}")
+
+    def leave(module, inputs, output):
+        EXTRA.depth = max(0, EXTRA.depth - 1)
 
     def after_step(optimizer, args, kwargs):
-        EXTRA.want_input = True
+        if EXTRA.active and EXTRA.since_step and len(EXTRA.inputs) < MAX_INPUTS:
+            EXTRA.inputs.append(hashlib.sha1("|".join(EXTRA.since_step).encode()).hexdigest()[:16])
+        EXTRA.since_step = []
         entry = EXTRA.by_id.get(id(optimizer))
         if entry is not None and entry["optimizer"] is optimizer and entry["before"] is not None:
             entry["steps"] += 1
@@ -279,7 +288,8 @@ def _patch_optimizers() -> None:
     torch.optim.Optimizer.__init__ = __init__
     register_optimizer_step_pre_hook(before_step)
     register_optimizer_step_post_hook(after_step)
-    torch.nn.modules.module.register_module_forward_pre_hook(first_input)
+    torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
 
 
 def _loaded_kind(obj) -> str:
