@@ -196,7 +196,23 @@ class ScriptModel:
         if self.kind(expr) == v.LOSS:
             return True
         if isinstance(expr, cst.Name):
-            return expr.value in self.backward_names(self.s.scope(expr))
+            scope = self.s.scope(expr)
+            return expr.value in self.backward_names(scope) or self._summed_into_loss(expr.value, scope)
+        return False
+
+    def _summed_into_loss(self, name: str, scope: Scope) -> bool:
+        """`name`, bound once in `scope`, is a term of a sum bound to a name `.backward()` is
+        called on (`loss = recon + beta * kld`): backward takes one element only, and a sum
+        of one element has terms of one element, so `.item()` reads each."""
+        _, own = self.s.lookup(name, scope)
+        if len(own) != 1 or own[0].how != "assign" or own[0].scope is not scope:
+            return False
+        for target in self.backward_names(scope):
+            _, bindings = self.s.lookup(target, scope)
+            for b in bindings:
+                if b.how == "assign" and b.scope is scope and isinstance(b.value, cst.BaseExpression) \
+                        and name in _sum_terms(b.value):
+                    return True
         return False
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -1195,6 +1211,13 @@ class ScriptModel:
 
 _MODULE_METHODS = frozenset({"eval", "train", "parameters", "named_parameters", "modules", "children", "to", "cuda",
                              "half", "float", "forward", "state_dict", "zero_grad", "apply"})
+
+
+def _sum_terms(expr: cst.BaseExpression) -> Set[str]:
+    """The names added or subtracted at the top of `expr` (`a + b * c - d`: a, d)."""
+    if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, (cst.Add, cst.Subtract)):
+        return _sum_terms(expr.left) | _sum_terms(expr.right)
+    return {expr.value} if isinstance(expr, cst.Name) else set()
 
 
 def _names_in(target: cst.BaseExpression) -> List[str]:

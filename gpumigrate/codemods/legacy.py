@@ -118,6 +118,12 @@ class DataIndexScalar(Rule):
             "out, y = torch.randn(4), torch.randn(4)\nloss_l, loss_c = criterion(out, y)\nprint(loss_l.item())\n"
             "correct = (out.argmax() == y.argmax()).sum()\nn = correct.item()\n",
         ),
+        Flagged(  # a term of the loss backward runs on: one element (Beta-VAE's recon_loss)
+            "recon = reconstruction_loss(x, x_recon)\nloss = recon + beta * kld\nloss.backward()\n"
+            "print(recon.data[0], kld.data[0])\n",
+            fixed="recon = reconstruction_loss(x, x_recon)\nloss = recon + beta * kld\nloss.backward()\n"
+                  "print(recon.item(), kld.data[0])\n",
+        ),
         Flagged("first = output.data[0]\n"),  # not known to be a scalar: review
         Flagged("loss.data[0] = 1.0\n"),  # a write: review, never `loss.item() = 1.0`
         Clean("print(loss.item())\nrow = batch[0]\n"),
