@@ -19,6 +19,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import FIXTURES
+from tests.probe_runs import NPROC, run_probe
 from tests.test_runtime import torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ddp]
@@ -128,9 +130,6 @@ def test_migrated_replay_buffer_dqn_runs_to_the_end_under_torchrun(tmp_path):
     episodes, so the ranks reach the optimizer step a different number of times; the migrated
     script (no DDP wrap, gradients averaged at the step) must end on both ranks, print once,
     and save once."""
-    from tests.conftest import FIXTURES
-    from tests.probe_runs import NPROC, run_probe
-
     golden = FIXTURES / "expected" / "ddp" / "rl_replay_dqn.py"
     assert "wrap_model(" not in golden.read_text()
     one = run_probe(golden, tmp_path / "one", 1)

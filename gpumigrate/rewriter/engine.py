@@ -1108,13 +1108,18 @@ def process(
             ctx.reports.extend(rep for rep in front.early if rep.code in codes or ctx.fixing)
             return ctx
 
+        def applying(ctx: FileContext) -> List[Any]:
+            """The rules that apply, made for `ctx` (they keep state; some analyse the file as
+            they are made, through CURRENT's index)."""
+            return [rule(ctx) for rule in rules if _applies(rule, whole) or _wanted(rule, ctx.options)]
+
         ctx = context()
         token = CURRENT.set(ctx)
-        active = [rule(ctx) for rule in rules if _applies(rule, whole) or _wanted(rule, ctx.options)]
+        active = applying(ctx)
         if active and ctx.fixing and _fast_traversal():
             # Most files a migration reads need no edit: look first, over the index, and
             # rebuild the tree (LibCST's transform, most of a run's time) only where a fix asks
-            # to, in a fresh run (the rules keep state).
+            # to, in a fresh run.
             if not (_Dispatch(ctx, active).observe(ctx.index) or ctx.finishers or ctx.imports_to_add
                     or ctx.imports_to_remove or ctx._removed):
                 active = []
@@ -1123,7 +1128,7 @@ def process(
                 CURRENT.reset(token)
                 ctx = context()
                 token = CURRENT.set(ctx)
-                active = [rule(ctx) for rule in rules if _applies(rule, whole) or _wanted(rule, ctx.options)]
+                active = applying(ctx)
         if not active:
             new_module = module
         elif ctx.fixing or not _fast_traversal():

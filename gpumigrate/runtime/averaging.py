@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpumigrate.runtime.uneven import AVERAGE, REDUCE, _BACKEND_DEVICES, _collective, agree, remember_layout
+from gpumigrate.runtime.uneven import AVERAGE, REDUCE, _collective, agree, remember_layout
 
 # Where DistributedDataParallel cannot be placed (an optimizer built in a helper module, double
 # backward, a functional model, a loss module with parameters, two optimizers), the ranks still
@@ -379,7 +379,9 @@ def _plans_for(params: Sequence[torch.Tensor]) -> List[_Plan]:
         if len(_CLIP_PLANS) > 16:
             _CLIP_PLANS.clear()
         key = (_plans_version, _wrapped_version, key[2])  # building the plans may have changed both
-        cached = _CLIP_PLANS[key] = (tuple(weakref.ref(o) for o in optimizers), _Plan(rest, [], -1 - sum(p.numel() for p in rest) % 2**30) if rest else None)
+        # the rest's key: the same on every rank, and never an optimizer's number
+        rest_plan = _Plan(rest, [], -1 - sum(p.numel() for p in rest) % 2**30) if rest else None
+        cached = _CLIP_PLANS[key] = (tuple(weakref.ref(o) for o in optimizers), rest_plan)
     plans = [_optimizer_plan(o) for o in optimizers]
     return plans + [cached[1]] if cached[1] is not None else plans
 
@@ -514,7 +516,6 @@ def _uninstall_averaging() -> None:
     for step in reversed(undo or []):
         step()
     _CLIP_PLANS.clear()  # they hold parameters
-    _BACKEND_DEVICES.clear()  # keyed by the group, which is about to go
 
 
 def _replace(undo: List[Callable[[], None]], owner: Any, name: str, wrapper: Callable[[Callable], Callable]) -> None:

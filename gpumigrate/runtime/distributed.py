@@ -29,7 +29,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
                               SequentialSampler)
 from torch.utils.data.distributed import DistributedSampler
 
-from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, agree, finish, shadow
+from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, _collective_device, agree, finish, shadow
 from gpumigrate.runtime.averaging import _install_averaging, _note_wrapped, _uninstall_averaging
 from gpumigrate.runtime.device import get_device
 
@@ -724,27 +724,6 @@ def _receive_object(src: int) -> Any:
     dist.broadcast(data, src=src)
     data = data.cpu().contiguous()
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # the bytes, copied out
-
-
-def _collective_device() -> torch.device:
-    """Where the tensors of a collective on the default group live: the CPU whenever the
-    backend takes CPU tensors (gloo, mpi, ucc, or a "cpu:gloo,cuda:nccl" pair), else the
-    current device of the one accelerator it supports (NCCL: this process's GPU)."""
-    capability = getattr(dist.Backend, "backend_capability", {"nccl": ["cuda"], "xccl": ["xpu"]})
-    devices = []
-    for part in str(dist.get_backend()).lower().split(","):
-        part = part.strip()
-        if ":" in part:  # "device:backend"
-            devices.append(part.split(":", 1)[0].strip())
-        elif part:
-            devices.extend(capability.get(part, ["cpu"]))
-    if not devices or "cpu" in devices:
-        return torch.device("cpu")
-    kind = devices[0]
-    module = getattr(torch, kind, None)
-    if module is not None and hasattr(module, "current_device"):
-        return torch.device(kind, module.current_device())
-    return torch.device(kind)
 
 
 def set_epoch(loader: Any, epoch: Optional[int] = None) -> None:

@@ -29,7 +29,7 @@ models whose data it does not shard.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,34 +48,44 @@ def remember_layout(key: int, flats: Sequence[torch.Tensor]) -> None:
     _layouts[key] = [(f.device, f.dtype, f.numel()) for f in flats]
 
 
-_BACKEND_DEVICES: Dict[Any, frozenset] = {}  # default group -> device types its backend takes
+_BACKEND_DEVICES: Dict[str, Tuple[str, ...]] = {}  # backend name -> device types it takes
 
 
-def _takes(device_type: str) -> bool:
-    """Whether the default group's backend reduces tensors on `device_type` (else via the CPU)."""
-    group = dist.group.WORLD
-    types = _BACKEND_DEVICES.get(id(group))
+def _backend_devices() -> Tuple[str, ...]:
+    """The device types the default group's backend reduces tensors on, in the order its name
+    gives them ("cpu:gloo,cuda:nccl"; "nccl": cuda), parsed once per backend name."""
+    backend = str(dist.get_backend())
+    types = _BACKEND_DEVICES.get(backend)
     if types is None:
         capability = getattr(dist.Backend, "backend_capability", {"nccl": ["cuda"], "xccl": ["xpu"]})
-        found = set()
-        for part in str(dist.get_backend()).lower().split(","):
+        found: List[str] = []
+        for part in backend.lower().split(","):
             part = part.strip()
             if ":" in part:  # "device:backend"
-                found.add(part.split(":", 1)[0].strip())
+                found.append(part.split(":", 1)[0].strip())
             elif part:
-                found.update(capability.get(part, ["cpu"]))
-        types = _BACKEND_DEVICES[id(group)] = frozenset(found)
-    return device_type in types
+                found.extend(capability.get(part, ["cpu"]))
+        types = _BACKEND_DEVICES[backend] = tuple(dict.fromkeys(found))
+    return types
+
+
+def _collective_device() -> torch.device:
+    """Where the tensors of a collective on the default group live: the CPU whenever the
+    backend takes CPU tensors (gloo, mpi, ucc, or a "cpu:gloo,cuda:nccl" pair), else the
+    current device of the one accelerator it supports (NCCL: this process's GPU)."""
+    devices = _backend_devices()
+    if not devices or "cpu" in devices:
+        return torch.device("cpu")
+    kind = devices[0]
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device"):
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
 
 
 def _collective(flat: torch.Tensor, broadcast: bool = False) -> None:
     """All-reduce (sum) or broadcast from rank 0 `flat` in place, on a device the backend takes."""
-    here = flat
-    if not _takes(flat.device.type):
-        kind = "cpu" if _takes("cpu") else sorted(_BACKEND_DEVICES[id(dist.group.WORLD)])[0]
-        module = getattr(torch, kind, None)
-        index = module.current_device() if kind != "cpu" and hasattr(module, "current_device") else None
-        here = flat.to(torch.device(kind, index) if index is not None else torch.device(kind))
+    here = flat if flat.device.type in _backend_devices() else flat.to(_collective_device())
     if broadcast:
         dist.broadcast(here, src=0)
     else:
