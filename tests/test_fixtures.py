@@ -29,7 +29,7 @@ RUNS_ON_CPU = {"agnostic.py": [], "dcgan_gan.py": [], "mnist_2019.py": ["--no-cu
 # Scripts the device target must leave byte for byte as they are (already device-agnostic, or
 # with only report-only findings).
 UNCHANGED = {"agnostic.py": "no findings", "amp_apex_gan.py": "no findings", "amp_torch_cuda_amp.py": "no findings", "mem_oom_skip.py": "review only", "functional_maml.py": "no findings",
-             "run_dir_main.py": "no findings"}
+             "run_dir_main.py": "no findings", "fullbatch_tensors.py": "no findings"}
 NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
 # ddp goldens that tests/test_ddp_e2e.py and tests/test_patterns_e2e.py run in one process too
 RUN_ELSEWHERE = {"mnist_2019.py", "resnet_dataparallel.py", "dcgan_gan.py", "checkpoint_resume.py",

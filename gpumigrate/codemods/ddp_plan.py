@@ -217,7 +217,14 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
                    "prints and saves")
             self.declined.add(why)
             items.append((first, why))
-        if self.unsharded_data:
+        splits = self.row_splits()
+        for loop, names in splits:
+            items.append((loop, f"the rows (dim 0) of `{'`, `'.join(names)}` are split between the ranks: check that "
+                                "dim 0 is the batch (samples, not time steps or features); what the loop computes "
+                                "from them (a printed loss, a metric) is this rank's share"))
+        covered = [call for call in self.model.backward_calls
+                   if any(a is loop for loop, _ in splits for a in self.s.ancestors(call))]
+        if self.unsharded_data and len(covered) < len(self.model.backward_calls):
             items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded; every rank "
                                  "draws its batches as the script does (the same ones where their order is seeded alike, "
                                  "others where it is not, as an environment's episodes) and the gradients are averaged, "

@@ -459,6 +459,12 @@ class DistributedSamplerRule(Rule):
         self.epoch_loops = self.plan.set_epoch_points() if self.plan.active else {}
         self.rebuilds = self.plan.rebuild_points() if self.plan.active else {}
         self.hoisted: dict = {}  # id(original line) -> (name, dataset expression)
+        self.rows = {id(r.loop): r for r in self.plan.fixed_rows} if self.plan.active else {}
+        self.row_loads = {k: name for r in self.rows.values() for k, name in r.loads.items()}
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name):
+        shard = self.row_loads.get(id(original))
+        return updated.with_changes(value=shard) if shard is not None else None
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if not self.plan.active:
@@ -555,6 +561,21 @@ class DistributedSamplerRule(Rule):
         return script_model(self.ctx).s.line(node)
 
     def _loop(self, original, updated):
+        rows = self.rows.get(id(original))
+        if rows is not None:
+            self.report(original, f"full-batch training on fixed tensors (`{'`, `'.join(rows.names)}`): their rows "
+                                  "(dim 0) are split between the ranks as a DistributedSampler splits a dataset "
+                                  "(`shard_rows`), and the loop trains on this rank's")
+            targets = [cst.Element(cst.Name(name)) for name in rows.shards]
+            split = _call(self.ctx, "shard_rows", [cst.Arg(cst.Name(name)) for name in rows.names], self.fixing)
+            line = cst.SimpleStatementLine(
+                body=[cst.Assign(targets=[cst.AssignTarget(cst.Tuple(targets, lpar=[], rpar=[]) if len(targets) > 1
+                                                           else targets[0].value)], value=split)],
+                leading_lines=updated.leading_lines)
+            return cst.FlattenSentinel([line, self._sampled_loop(original, updated.with_changes(leading_lines=[]))])
+        return self._sampled_loop(original, updated)
+
+    def _sampled_loop(self, original, updated):
         if isinstance(original, cst.For) and self.plan.foreign_iterations:
             inner = self._iterated(original.iter, updated.iter)
             if inner is not None:

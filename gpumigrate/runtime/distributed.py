@@ -550,6 +550,43 @@ def shard_length(dataset: Any) -> int:
     return (total + world - 1) // world
 
 
+def shard_rows(*tensors: Any) -> Any:
+    """This rank's rows of tensors a script trains on whole (full-batch training on fixed
+    tensors: `model(inputs)`, `criterion(output, targets)`): rows along dim 0, split as a
+    DistributedSampler without shuffling splits a dataset, every world_size-th row from this
+    rank's, padded by repeating the first rows so every rank gets ceil(n / world_size). All
+    tensors get the same rows, so inputs and targets stay paired; with equal shares and a
+    mean loss the averaged gradient is the whole batch's, as in one process. One tensor gives
+    one tensor, several a tuple; in one process they come back unchanged.
+
+    Tensors that cannot be split alike (not all tensors, no dim 0, different lengths, fewer
+    rows than ranks) come back unchanged with one warning: every rank then trains on all
+    rows, which is correct, just not faster.
+    """
+    single = len(tensors) == 1
+    if not is_distributed() or not tensors:
+        return tensors[0] if single else tensors
+    world = get_world_size()
+    lengths = {t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in tensors}
+    n = next(iter(lengths))
+    if len(lengths) != 1 or n is None or n < world:
+        why = ("not every argument is a tensor with rows" if None in lengths else
+               f"the tensors have different lengths ({', '.join(map(str, sorted(lengths)))})" if len(lengths) > 1
+               else f"{n} rows for {world} ranks")
+        if is_main_process() and why not in _UNSPLIT:
+            _UNSPLIT.add(why)
+            warnings.warn(f"gpumigrate.runtime: shard_rows: {why}; every rank trains on all rows", RuntimeWarning,
+                          stacklevel=2)
+        return tensors[0] if single else tensors
+    share = (n + world - 1) // world
+    rows = torch.arange(share * world)[get_rank()::world] % n
+    split = tuple(t[rows.to(t.device)] for t in tensors)
+    return split[0] if single else split
+
+
+_UNSPLIT: set = set()
+
+
 class _Shard(Sampler):
     """Every rank_th index, without padding: each sample is evaluated exactly once."""
 

@@ -25,7 +25,7 @@ Relies on, from DdpPlan (ddp_plan.py) and its other mixins:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -35,11 +35,26 @@ from gpumigrate.analysis.launch import DISTRIBUTED_SAMPLERS
 from gpumigrate.analysis.model import Loader
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.analysis.syntax import runtime_helper
+from gpumigrate.analysis import values as v
 from gpumigrate.analysis.values import call_argument
+from gpumigrate.codemods.helpers import fresh_name
 
 # torch.optim's optimizers, as a project's script calls them (`optim.Adam(...)`)
 _OPTIMIZER_CLASSES = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "ASGD", "LBFGS", "NAdam",
                                 "RAdam", "RMSprop", "Rprop", "SparseAdam"})
+
+# what a loss may read beside the forward's outputs and the rows split (`view(-1, n_class)`)
+_NOT_ROWS = frozenset({v.NUMBER, v.STRING, v.MODULE, v.LOSS_MODULE, v.DEVICE})
+
+
+@dataclass
+class FixedRows:
+    """Fixed tensors a loop trains on whole: their rows are split before `loop`."""
+
+    loop: cst.CSTNode
+    names: List[str]
+    shards: List[str]  # the per-rank names, as `names`
+    loads: Dict[int, str] = field(default_factory=dict)  # id(a Name in the loop reading one) -> its shard
 
 
 @dataclass
@@ -81,6 +96,135 @@ class Sharding:
                 and not any(l.role in ("train", "flag") for l in self.model.loaders)
                 and not self.foreign_loaders and not self.foreign_params and not self.foreign_iterations
                 and not self._rebuilt_loaders)
+
+    @cached_property
+    def fixed_rows(self) -> List[FixedRows]:
+        """Full-batch training on fixed tensors (`output = model(inputs)`, `loss =
+        criterion(output, targets)` in a loop, on tensors the loop never rebinds): their rows
+        are split between the ranks before the loop (`shard_rows`, a DistributedSampler's
+        split of dim 0), and the loop reads the shards. With no loader to shard, this is what
+        makes such a script data-parallel; the runtime leaves tensors it cannot split alike
+        whole, and the review asks the user to check that dim 0 is the batch."""
+        if not self.unsharded_data:
+            return []
+        found: Dict[int, FixedRows] = {}
+        for call in self.model.backward_calls:
+            hit = self._fixed_rows(call)
+            if hit is None:
+                continue
+            loop, names = hit
+            rows = found.setdefault(id(loop), FixedRows(loop, [], []))
+            rows.names.extend(n for n in names if n not in rows.names)
+        for rows in found.values():
+            rows.shards = [fresh_name(self.ctx, f"{name}_shard") for name in rows.names]
+            shard = dict(zip(rows.names, rows.shards))
+            for node in self.s.own(rows.loop, cst.Name):
+                parent = self.s.parent(node)
+                if node.value in shard and not (isinstance(parent, cst.Attribute) and parent.attr is node) \
+                        and not (isinstance(parent, cst.Arg) and parent.keyword is node):
+                    rows.loads[id(node)] = shard[node.value]
+        return list(found.values())
+
+    def row_splits(self) -> List[Tuple[cst.CSTNode, List[str]]]:
+        """(loop, tensors) for every loop that trains on this rank's rows of fixed tensors:
+        split by this run (`fixed_rows`) or by an earlier one (`x_shard = shard_rows(x)` just
+        before the loop)."""
+        if not self.active:
+            return []
+        splits = [(rows.loop, rows.names) for rows in self.fixed_rows]
+        for call in self.s.index.of(cst.Call):
+            if runtime_helper(self.model.qualify(call.func)) != "shard_rows":
+                continue
+            line = self.s.line(call)
+            block = self.s.block(line) if line is not None else None
+            body = list(block.body) if block is not None else []
+            at = next((i for i, member in enumerate(body) if member is line), len(body))
+            if at + 1 < len(body) and isinstance(body[at + 1], (cst.For, cst.While)):
+                splits.append((body[at + 1], [a.value.value for a in call.args if isinstance(a.value, cst.Name)]))
+        return splits
+
+    def _fixed_rows(self, backward: cst.Call) -> Optional[Tuple[cst.CSTNode, List[str]]]:
+        """The loop to split rows before, and the fixed tensors, of `loss.backward()` where
+        `loss` is a call on a forward's outputs and fixed tensors, or a forward of fixed
+        tensors itself; None for any other shape."""
+        func = backward.func
+        if backward.args or not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name)):
+            return None
+        scope = self.s.scope(backward)
+        loops = []
+        for node in self.s.ancestors(backward):
+            if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                break
+            if isinstance(node, (cst.For, cst.While)):
+                loops.append(node)
+        if not loops:
+            return None
+        inner = loops[0]
+
+        def bound_in(name: str, loop: cst.CSTNode) -> List:
+            return [b for b in scope.bindings.get(name, []) if any(a is loop for a in self.s.ancestors(b.stmt))]
+
+        losses = bound_in(func.value.value, inner)
+        if len(losses) != 1 or losses[0].how != "assign" or not isinstance(losses[0].value, cst.Call) \
+                or losses[0].order > self.s.order(backward):
+            return None
+        loss = losses[0].value
+        forward, outputs = loss, set()
+        inline = [c for arg in loss.args for c in self.s.inside(arg.value, cst.Call) if self._fixed_forward(c, inner)]
+        if len(inline) == 1:  # `criterion(model(x), y)`
+            forward = inline[0]
+        elif not self._fixed_forward(loss, inner):
+            reads = {n.value for n in self._reads(loss)}
+            forwards = []
+            for name in reads:
+                for b in bound_in(name, inner):
+                    if b.how in ("assign", "unpack") and isinstance(b.value, cst.Call) and b.order < losses[0].order \
+                            and self._fixed_forward(b.value, inner):
+                        forwards.append(b)
+            if len({id(b.value) for b in forwards}) != 1 or any(bound_in(n, inner) for n in reads if n not in
+                                                                 {b.name for b in forwards}):
+                return None  # no forward, several, or the loss reads other values the loop makes
+            forward, outputs = forwards[0].value, {b.name for b in forwards}
+        names = []
+        for name in dict.fromkeys(n.value for n in (*self._reads(forward), *self._reads(loss))):
+            kind = self.model.kind_of_name(name, forward)
+            if name in outputs or kind in _NOT_ROWS:
+                continue
+            if kind not in v.TENSORS:
+                return None  # a value of unknown shape beside the rows split
+            names.append(name)
+        if not names:
+            return None
+        placed = None
+        for loop in loops:
+            if any(bound_in(n, loop) for n in names):
+                break
+            placed = loop
+        return (placed, names) if placed is not None else None
+
+    def _fixed_forward(self, call: cst.Call, loop: cst.CSTNode) -> bool:
+        """`model(a, b)`: a model called on names the loop does not bind, each a tensor."""
+        if not self.model.module_like(call.func) or self.model.kind(call.func) == v.LOSS_MODULE or not call.args:
+            return False
+        scope = self.s.scope(call)
+        for arg in call.args:
+            if arg.star or not isinstance(arg.value, cst.Name) or \
+                    self.model.kind_of_name(arg.value.value, call) not in v.TENSORS:
+                return False
+            if any(any(a is loop for a in self.s.ancestors(b.stmt)) for b in scope.bindings.get(arg.value.value, [])):
+                return False
+        return True
+
+    def _reads(self, call: cst.Call) -> List[cst.Name]:
+        """The names a call's arguments read (not attribute names or keywords)."""
+        out = []
+        for arg in call.args:
+            for node in self.s.index.subtree(arg.value):
+                if isinstance(node, cst.Name):
+                    parent = self.s.parent(node)
+                    if not (isinstance(parent, cst.Attribute) and parent.attr is node):
+                        out.append(node)
+        return out
 
     @cached_property
     def _driven_by_optimizers(self) -> bool:
