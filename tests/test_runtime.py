@@ -601,3 +601,13 @@ def test_wrap_model_leaves_a_module_without_trainable_parameters(monkeypatch, rt
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
     assert rd.wrap_model(frozen) is frozen
     assert rd.wrap_model(torch.nn.ReLU()).__class__ is torch.nn.ReLU
+
+
+def test_synchronize_without_an_accelerator_returns(rt):
+    """`torch.cuda.synchronize()` raises "Found no NVIDIA driver" here; the runtime's waits
+    for whichever device runs, and on a CPU for nothing."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.synchronize()
+    assert rt.synchronize() is None

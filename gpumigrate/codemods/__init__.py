@@ -10,6 +10,7 @@ from gpumigrate.codemods.amp import AmpSetup, ApexAmp, DeprecatedCudaAmp, HalfTr
 from gpumigrate.codemods.base import Rule
 from gpumigrate.codemods.device import (
     CudaCall,
+    CudaSynchronize,
     CudaTensorType,
     DiscardedMove,
     HardcodedDevice,
@@ -64,6 +65,7 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     HardcodedDevice,
     LoadMapLocation,
     LoadWholeModel,
+    CudaSynchronize,
     RuntimeImport,
     DataIndexScalar,
     VariableWrapper,

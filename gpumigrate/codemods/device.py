@@ -28,6 +28,7 @@ from gpumigrate.codemods.helpers import (
     name_assigns,
     remove_statement,
     runtime_module,
+    runtime_name,
     with_args,
 )
 from gpumigrate.rewriter.facts import SourceFacts
@@ -661,6 +662,55 @@ class LoadWholeModel(Rule):
             return None
         self.report(original)
         return with_args(updated, [*updated.args, keyword_arg("weights_only", cst.Name("False"))])
+
+
+class CudaSynchronize(Rule):
+    """
+    ## What it does
+    Finds `torch.cuda.synchronize()`, as timing code calls it around a step or an epoch.
+
+    ## Why is this bad?
+    Without a CUDA GPU it raises "Found no NVIDIA driver on your system": a script that runs on
+    a CPU or a Mac everywhere else stops at its first timing line.
+
+    ## Example
+    ```python
+    torch.cuda.synchronize()
+    batch_time.update(time.time() - end)
+    ```
+
+    ## Use instead
+    ```python
+    synchronize()  # from gpumigrate.runtime: CUDA's, MPS's, or nothing on a CPU
+    batch_time.update(time.time() - end)
+    ```
+    """
+
+    code = "GM107"
+    name = "cuda-synchronize"
+    message = "`torch.cuda.synchronize()` raises without a CUDA GPU; `synchronize()` waits for whichever device runs"
+    fixed_in = frozenset({"device"})
+    triggers = ("synchronize",)
+
+    # a call qualified as `torch.cuda.synchronize`
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id("synchronize")
+
+    examples = (
+        Flagged(
+            "import time\nimport torch\nstart = time.time()\ntorch.cuda.synchronize()\nprint(time.time() - start)\n",
+            fixed="import time\nimport torch\nfrom gpumigrate.runtime import synchronize\n\n"
+            "start = time.time()\nsynchronize()\nprint(time.time() - start)\n",
+        ),
+        Clean("import torch\ntorch.mps.synchronize()\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+        if self.qualify(original.func) != "torch.cuda.synchronize":
+            return None
+        self.report(original)
+        return updated.with_changes(func=runtime_name(self.ctx, "synchronize", self.fixing))
 
 
 TENSOR_NAMES = frozenset({"inputs", "input", "target", "targets", "label", "labels", "images", "image",

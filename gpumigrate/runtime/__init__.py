@@ -6,7 +6,7 @@ the only communication per training step is the gradient averaging data parallel
 """
 
 from gpumigrate.runtime.averaging import average_gradients
-from gpumigrate.runtime.device import get_device, tensor_type
+from gpumigrate.runtime.device import get_device, synchronize, tensor_type
 from gpumigrate.runtime.distributed import (
     barrier,
     broadcast_object,
@@ -58,6 +58,7 @@ __all__ = [
     "shard_length",
     "shard_loader",
     "shard_rows",
+    "synchronize",
     "tensor_type",
     "unwrap_model",
     "without_module_prefix",

@@ -31,6 +31,18 @@ def get_device(index: Union[int, torch.device, str, None] = None) -> torch.devic
         return torch.device("mps")
     return torch.device("cpu")
 
+def synchronize(device: Union[int, torch.device, str, None] = None) -> None:
+    """Wait for the work queued on the accelerator (what `torch.cuda.synchronize()` did for
+    CUDA): on MPS it waits for MPS, and without an accelerator it returns at once, where
+    `torch.cuda.synchronize()` raises "Found no NVIDIA driver"."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+        return
+    mps = getattr(torch, "mps", None)
+    backend = getattr(torch.backends, "mps", None)
+    if mps is not None and backend is not None and backend.is_available():
+        mps.synchronize()
+
 class tensor_type:  # noqa: N801  (named like the legacy types it replaces)
     """A stand-in for the legacy `torch.cuda.FloatTensor`-style constructors, on any device.
 
