@@ -427,3 +427,22 @@ def test_no_barrier_in_a_loop_over_a_listing_of_files_rank_0_changes():
     assert "        torch.save(unwrap_model(model).state_dict(), '{}.pkl'.format(epoch))\n    barrier()\n" in out
     assert "            if is_main_process():\n                os.remove(file)\n" in out
     assert out.count("barrier()") == 1
+
+
+def test_a_sampler_that_is_none_on_every_path_makes_way_for_the_distributed_one():
+    """The ImageNet recipe's `train_sampler = None` ... `sampler=train_sampler` with no
+    distributed branch: the loader has no sampler, so it is sharded, not reported as custom."""
+    out, reviews = ddp("""\
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_sampler = None
+        loader = DataLoader(train_set, batch_size=4, shuffle=(train_sampler is None), sampler=train_sampler)
+        for epoch in range(2):
+            for x, y in loader:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        """)
+    assert "loader = DataLoader(train_set, batch_size=4, sampler=distributed_sampler(train_set, " \
+           "shuffle=(train_sampler is None)))" in out
+    assert not any("custom sampler" in r for r in reviews), reviews

@@ -520,7 +520,8 @@ class DistributedSamplerRule(Rule):
             args.append(keyword_arg("pad", cst.Name("False")))
             self.report(original, "evaluation data sharded without padding; its sums are reduced over ranks")
         sampler = keyword_arg("sampler", _call(self.ctx, "distributed_sampler", args, self.fixing))
-        return with_args(updated, [*(a for a in updated.args if a is not shuffle), sampler])
+        none = get_arg(updated, "sampler", 3) if self.plan.no_sampler(original) else None
+        return with_args(updated, [*(a for a in updated.args if a is not shuffle and a is not none), sampler])
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
         """`train_loader = helpers.get_loader(...)`: a loader made where the migration cannot

@@ -320,7 +320,7 @@ class Sharding:
             return "DataLoader(**kwargs) may set shuffle or a sampler: add `sampler=distributed_sampler(dataset)` " \
                    "by hand", False
         given = call_argument(call, "sampler", 3) or call_argument(call, "batch_sampler", 4)
-        if given is not None:
+        if given is not None and not self.no_sampler(call):
             if self._already_sharded(call):
                 return None, False
             return "custom sampler kept: make it shard the data per rank (e.g. DistributedSampler) or each rank " \
@@ -338,6 +338,19 @@ class Sharding:
                 isinstance(self.s.block(line), (cst.Module, cst.IndentedBlock)):
             return None, True
         return "dataset built inline: assign it to a name and pass `sampler=distributed_sampler(dataset)`", False
+
+    def no_sampler(self, call: cst.Call) -> bool:
+        """`sampler=train_sampler` where `train_sampler` is None on every path (the ImageNet
+        recipe's `train_sampler = None` kept for a distributed branch the script lacks): the
+        loader has no sampler, and the argument makes way for the distributed one."""
+        given = call_argument(call, "sampler", 3)
+        if given is None or call_argument(call, "batch_sampler", 4) is not None:
+            return False
+        if isinstance(given, cst.Name) and given.value == "None":
+            return True
+        bindings = self.s.all_bindings(given.value, self.s.scope(given)) if isinstance(given, cst.Name) else []
+        return bool(bindings) and all(b.how == "assign" and isinstance(b.value, cst.Name) and b.value.value == "None"
+                                      for b in bindings)
 
     def _may_hold_sampler(self, kwargs: cst.BaseExpression) -> bool:
         """`**kwargs` is safe when every dict literal it is built from lacks these keys."""
