@@ -226,3 +226,71 @@ def test_an_object_whose_class_has_its_own_cuda_method_keeps_the_call(tmp_path):
     assert "self.prob = self.prob.to(device)" in (package / "alias.py").read_text()
     assert "NCEAverage(4).to(device)(3)" in (tmp_path / "proj" / "main.py").read_text()
     assert _ok(_run(tmp_path / "proj" / "main.py")).strip() == "torch.Size([3])"
+
+
+MEMORY_BANK = {
+    "memory.py": """\
+import torch
+import torch.nn as nn
+
+
+class Bank(nn.Module):
+    def __init__(self, n, dim):
+        super(Bank, self).__init__()
+        self.register_buffer('memory', torch.randn(n, dim))
+
+    def forward(self, feats, index):
+        out = feats @ self.memory.t()
+        self.memory.index_copy_(0, index, feats.detach())
+        return out
+""",
+    "queue.py": """\
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+
+
+class Queue(nn.Module):
+    def __init__(self, n, dim):
+        super(Queue, self).__init__()
+        self.register_buffer('queue', torch.randn(n, dim))
+
+    def push(self, keys):
+        gathered = [torch.zeros_like(keys) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, keys)
+        self.queue[:len(keys)] = torch.cat(gathered)[:len(keys)]
+""",
+    "train.py": """\
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from memory import Bank
+from queue import Queue
+
+data = TensorDataset(torch.randn(16, 4), torch.arange(16))
+loader = DataLoader(data, batch_size=4, shuffle=True)
+model = torch.nn.Linear(4, 4)
+bank = Bank(16, 4)
+keys = Queue(8, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    for x, index in loader:
+        optimizer.zero_grad()
+        bank(model(x), index.cuda(async=True)).logsumexp(1).mean().backward()
+        optimizer.step()
+""",
+}
+
+
+def test_a_memory_bank_from_a_project_module_is_reported_unless_it_gathers_itself(tmp_path):
+    """Practice corpus (CMC): an NCE memory bank in a module beside the script (a buffer its
+    forward updates with index_copy_): each rank keeps its own. The module is read although the
+    script needs a repair to parse (`async=True`); a queue whose module all_gathers is not
+    reported."""
+    project = tmp_path / "bank"
+    project.mkdir()
+    for name, text in MEMORY_BANK.items():
+        (project / name).write_text(text)
+    result = _cli(project / "train.py", "--to", "ddp")
+    assert result.exit_code == 0, result.output
+    said = [l for l in result.output.splitlines() if "keeps state in buffers" in l]
+    assert len(said) == 1 and "`Bank`" in said[0] and "train.py:9:" in said[0], result.output

@@ -26,6 +26,7 @@ Importers use this module: `ddp_plan(ctx)`, `DdpPlan`, `Wrap`, `LoaderEdit`, `ma
 
 from __future__ import annotations
 
+import ast
 import re
 from functools import cached_property
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -33,6 +34,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from gpumigrate.analysis import script_model
+from gpumigrate.analysis.structure import dotted
 from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.analysis.values import call_argument
 from gpumigrate.codemods.ddp.data import LoaderEdit, Sharding  # noqa: F401  (LoaderEdit: re-exported)
@@ -40,6 +42,15 @@ from gpumigrate.codemods.ddp.rank0 import RankZero
 from gpumigrate.codemods.ddp.reach import Reach
 from gpumigrate.codemods.ddp.reduce import Reductions
 from gpumigrate.codemods.ddp.wrap import Wrap, Wraps  # noqa: F401  (Wrap: re-exported)
+from gpumigrate.rewriter.project import stateful_classes
+
+# collectives a module that keeps its state consistent across ranks calls itself
+_GATHERS = frozenset({"all_gather", "all_gather_into_tensor", "concat_all_gather", "all_reduce", "broadcast"})
+
+
+def _buffer_classes(stateful) -> Set[str]:
+    """The classes of "Class:registrar:attr" entries whose state is a registered buffer."""
+    return {entry.split(":")[0] for entry in stateful if entry.split(":")[1] == "register_buffer"}
 
 _MAIN_TEST = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
 # Top-level packages that are not the project's own files (for calls the migration cannot read).
@@ -274,7 +285,31 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
             items.append((seeds[0], "every rank seeds the same: random augmentation and dropout repeat across "
                                     "ranks; add get_rank() to the seed if they should differ"))
         items.extend(self._own_path())
+        if self.shard_training:
+            items.extend((call, f"`{name}` keeps state in buffers its methods update in place (a memory bank, a "
+                                "queue): each rank updates its own copy from its own samples; gather the updates "
+                                "across ranks (all_gather) if they should be one")
+                         for call, name in self._stateful_objects())
         return items
+
+    def _stateful_objects(self) -> List[Tuple[cst.Call, str]]:
+        """Objects this file builds from a class with buffers it updates as it runs (read
+        from this file, or from the project module it is imported from), unless that module
+        gathers across ranks itself (MoCo's queue takes every rank's keys)."""
+        classes: Set[str] = set()
+        for link in getattr(self.ctx.options.get("project"), "imports", ()):
+            if not _GATHERS & set(link.calls):
+                classes.update(_buffer_classes(link.stateful))
+        if "register_buffer" in self.ctx.text and not _GATHERS & {
+                dotted(c.func).rsplit(".", 1)[-1] for c in self.s.index.of(cst.Call) if dotted(c.func)}:
+            try:
+                classes.update(_buffer_classes(stateful_classes(ast.parse(self.ctx.text))))
+            except (SyntaxError, ValueError):  # the text before a repair (`async=True`): the tree is LibCST's
+                pass
+        if not classes:
+            return []
+        return [(call, call.func.value) for call in self.s.index.of(cst.Call)
+                if isinstance(call.func, cst.Name) and call.func.value in classes]
 
     def _foreign_helpers(self) -> List[Tuple[cst.CSTNode, str]]:
         """Statements in a training or evaluation loop that only call a function imported from

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +29,10 @@ class Link:
     """A module of the project linked to a file: its path (relative to the working
     directory), what it calls (names of called functions and methods, sorted), whether it
     runs code when executed as a script, whether this run migrates it too, its digest, and
-    the names it defines at top level (for `from mod import *`) and the methods its classes
+    the names it defines at top level (for `from mod import *`), the methods its classes
     define themselves ("Class.method": an object of its own with a method named like a
-    tensor's)."""
+    tensor's), and the state its classes register and then update in place (`stateful`,
+    "Class:registrar:attr": a memory bank, a queue)."""
 
     path: str
     calls: Tuple[str, ...]
@@ -39,6 +41,7 @@ class Link:
     digest: str
     defines: Tuple[str, ...] = ()
     methods: Tuple[str, ...] = ()
+    stateful: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class _Module:
     defines: Tuple[str, ...] = ()
     star_imports: Tuple[Path, ...] = ()  # what `from X import *` takes all the names of
     methods: Tuple[str, ...] = ()
+    stateful: Tuple[str, ...] = ()
 
 
 class _Reader:
@@ -87,7 +91,7 @@ def _read(path: Path) -> Optional[_Module]:
         if not stat.S_ISREG(st.st_mode) or st.st_size > _READ_LIMIT:
             return None  # a FIFO would block the run; the engine says what it makes of the file
         data = path.read_bytes()
-        tree = ast.parse(data)
+        tree = _parse(data)
     except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     calls: Set[str] = set()
@@ -115,7 +119,56 @@ def _read(path: Path) -> Optional[_Module]:
     return _Module(path.resolve(), hashlib.sha256(data).hexdigest()[:16], tuple(sorted(calls)),
                    _runs_code(tree), found, defines, tuple(starred),
                    tuple(sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
-                                for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))))
+                                for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))),
+                   stateful_classes(tree))
+
+
+def _parse(data: bytes) -> ast.Module:
+    """The tree of a module; one written for Python <= 3.6 with a keyword argument named
+    `async` (`x.cuda(async=True)`) is read with that argument renamed: only its facts are
+    read here, and the migration repairs the file itself."""
+    try:
+        return ast.parse(data)
+    except SyntaxError:
+        if b"async" not in data:
+            raise
+        return ast.parse(re.sub(rb"\basync(\s*=(?!=))", rb"async_\1", data))
+
+
+def stateful_classes(tree: ast.Module) -> Tuple[str, ...]:
+    """"Class:registrar:attr" for each attribute a top-level class names in a call on `self`
+    (`self.registrar("attr", ...)`) and a method other than `__init__` updates in place
+    (`self.attr.index_copy_(...)`, `self.attr[i] = ...`): state an object keeps and changes
+    as it runs. The analysis decides which registrars matter."""
+    out: Set[str] = set()
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        named = {(n.args[0].value, n.func.attr) for n in ast.walk(cls) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                 and n.func.value.id == "self" and n.args and isinstance(n.args[0], ast.Constant)
+                 and isinstance(n.args[0].value, str)}
+        if not named:
+            continue
+        changed: Set[str] = set()
+        for method in cls.body:
+            if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or method.name == "__init__":
+                continue
+            for n in ast.walk(method):
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_") \
+                        and not n.func.attr.startswith("_"):
+                    changed.add(_self_attr(n.func.value))
+                elif isinstance(n, (ast.Assign, ast.AugAssign)):
+                    changed.update(_self_attr(t.value) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                                   if isinstance(t, ast.Subscript))
+        out.update(f"{cls.name}:{registrar}:{attr}" for attr, registrar in named if attr in changed)
+    return tuple(sorted(out))
+
+
+def _self_attr(node: ast.AST) -> str:
+    """`attr` for `self.attr`, else ""."""
+    return node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+        node.value.id == "self" else ""
 
 
 def _resolve(importer: Path, level: int, module: str, names: Sequence[str]) -> Iterable[Path]:
@@ -217,4 +270,4 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
     except ValueError:  # another drive
         shown = str(module.path)
     return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines,
-                module.methods)
+                module.methods, module.stateful)
