@@ -805,7 +805,7 @@ class ScriptModel:
             elif isinstance(value, cst.Attribute) and (dotted(value) or "").count(".") == 1 and \
                     (dotted(value) or "").startswith("self."):
                 through = value
-            elif isinstance(value, (cst.Call, cst.Name)):
+            elif isinstance(value, (cst.Call, cst.Name)) or _item_of_name(value):
                 out.append(value)
                 continue
             else:
@@ -824,6 +824,8 @@ class ScriptModel:
                 runtime_helper(qualified) is None and not (isinstance(value.func, cst.Name) and
                                                            value.func.value in _BUILTIN_ITERABLES) and \
                 self.kind(value) in (v.LOADER, v.UNKNOWN, v.OBJECT, v.NEUTRAL)
+        if isinstance(value, cst.Subscript):  # `data_loader[0]` of the (train, valid) pair handed in
+            value = value.value
         _, bindings = self.s.lookup(value.value, self.s.scope(value))
         if not bindings or any(b.how != "param" for b in bindings):
             return False
@@ -1211,6 +1213,12 @@ class ScriptModel:
 
 _MODULE_METHODS = frozenset({"eval", "train", "parameters", "named_parameters", "modules", "children", "to", "cuda",
                              "half", "float", "forward", "state_dict", "zero_grad", "apply"})
+
+
+def _item_of_name(expr: cst.BaseExpression) -> bool:
+    """`pair[0]`: an item, at a constant index, of what a name holds."""
+    return isinstance(expr, cst.Subscript) and isinstance(expr.value, cst.Name) and len(expr.slice) == 1 and \
+        isinstance(expr.slice[0].slice, cst.Index) and isinstance(expr.slice[0].slice.value, cst.Integer)
 
 
 def _sum_terms(expr: cst.BaseExpression) -> Set[str]:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler)
+                              SequentialSampler, SubsetRandomSampler)
 from torch.utils.data.distributed import DistributedSampler
 
 from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, _collective_device, agree, finish, shadow
@@ -647,6 +647,24 @@ class _EpochSampler(DistributedSampler):
         return super().__iter__()
 
 
+class _SubsetEpochSampler(_EpochSampler):
+    """A SubsetRandomSampler's indices split as an _EpochSampler splits a dataset: a new
+    shuffle of the subset each epoch, this rank's every world_size-th, padded. `indices` are
+    the ones this rank draws this epoch (a script's `len(loader.sampler.indices)` counts its
+    share, as `len(dataset)` does with `shard_length`)."""
+
+    def __init__(self, subset: Sequence[int], **kwargs: Any) -> None:
+        self._subset = list(subset)
+        super().__init__(range(len(self._subset)), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def indices(self) -> list:
+        return [self._subset[i] for i in DistributedSampler.__iter__(self)]
+
+    def __iter__(self) -> Iterator[int]:
+        return (self._subset[i] for i in super().__iter__())
+
+
 def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True) -> Any:
     """`loader` (a DataLoader built anywhere: a factory in another module) giving this rank
     its own part of the data each epoch; in one process, `loader` itself.
@@ -654,10 +672,11 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True) -> Any:
     The new loader keeps everything else `loader` had (batch size, drop_last, workers,
     collate_fn, pin_memory, timeout, worker_init_fn, generator, persistent workers, prefetch
     factor, multiprocessing context). Its sampler is a DistributedSampler that shuffles if
-    `loader` did (RandomSampler) and not if it read in order (SequentialSampler), and takes a
-    new order at each pass over the loader unless `set_epoch` set the epoch (see
-    `distributed_sampler`; `seed` is the same on every rank). `pad=False` (evaluation): every
-    sample once, in order, shards differing in size by at most one.
+    `loader` did (RandomSampler; a SubsetRandomSampler's indices are shuffled and split the
+    same way) and not if it read in order (SequentialSampler), and takes a new order at each
+    pass over the loader unless `set_epoch` set the epoch (see `distributed_sampler`; `seed`
+    is the same on every rank). `pad=False` (evaluation): every sample once, in order, shards
+    differing in size by at most one.
 
     What cannot be sharded safely is returned unchanged with one warning naming why (every
     rank then reads all of it): an IterableDataset, a custom sampler or batch_sampler, a
@@ -695,7 +714,13 @@ def _shard_loader(loader: Any, seed: int, pad: bool) -> Any:
                           stacklevel=3)
         return loader
     dataset = loader.dataset
-    if pad:
+    if isinstance(sampler, SubsetRandomSampler) and pad:
+        sampler = _SubsetEpochSampler(sampler.indices, num_replicas=get_world_size(), rank=get_rank(), seed=seed)
+    elif isinstance(sampler, SubsetRandomSampler):
+        subset = list(sampler.indices)
+        sampler = _Shard(subset, get_rank(), get_world_size())  # type: ignore[arg-type]
+        sampler.indices = [subset[i] for i in sampler.indices]  # type: ignore[assignment]
+    elif pad:
         sampler = _EpochSampler(dataset, num_replicas=get_world_size(), rank=get_rank(),
                                 shuffle=isinstance(sampler, RandomSampler), seed=seed)
     else:
@@ -724,6 +749,8 @@ def _why_not_sharded(loader: Any, batches: Any, sampler: Any) -> Optional[str]:
         return "an IterableDataset must split its stream per rank itself"
     if batches is not None and type(batches) is not BatchSampler:
         return f"custom batch_sampler ({type(batches).__name__})"
+    if type(sampler) is SubsetRandomSampler:
+        return None if sampler.generator is None else "a SubsetRandomSampler with a generator of its own"
     if type(sampler) not in (RandomSampler, SequentialSampler):
         return f"custom sampler ({type(sampler).__name__})"
     if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples != len(loader.dataset)):
