@@ -735,7 +735,9 @@ def _shard_loader(loader: Any, seed: int, pad: bool) -> Any:
         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=drop_last,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers, **options,
+        # without workers DataLoader refuses a prefetch factor, which torch < 2.0 stored as 2 anyway
+        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+        persistent_workers=loader.persistent_workers and loader.num_workers > 0, **options,
     )
 
 
