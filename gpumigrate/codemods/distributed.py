@@ -1408,6 +1408,58 @@ class PerRankValue(Rule):
         return updated.with_changes(value=_call(self.ctx, "broadcast_object", [cst.Arg(updated.value)], self.fixing))
 
 
+class MakedirsRace(Rule):
+    """
+    ## What it does
+    Adds `exist_ok=True` to `os.makedirs(d)` under `if not os.path.exists(d):` (or
+    `os.path.isdir`), in every file of a ddp migration (helper modules too).
+
+    ## Why is this bad?
+    Every rank runs the check, and all of them may find the folder missing before the first
+    one makes it: the others then fail with `FileExistsError`.
+
+    ## Example
+    ```python
+    if not os.path.exists(ckpt_dir):
+        os.makedirs(ckpt_dir)
+    ```
+
+    ## Use instead
+    ```python
+    if not os.path.exists(ckpt_dir):
+        os.makedirs(ckpt_dir, exist_ok=True)
+    ```
+    """
+
+    code = "GM414"
+    name = "makedirs-race"
+    message = "ranks racing to make the same folder: all but the first fail with FileExistsError"
+    fixed_in = frozenset({"ddp"})
+    lint = False
+    triggers = ("makedirs",)
+    examples = (
+        Flagged("import os\nif not os.path.exists(d):\n    os.makedirs(d)\n",
+                fixed="import os\nif not os.path.exists(d):\n    os.makedirs(d, exist_ok=True)\n"),
+        Clean("import os\nos.makedirs(d, exist_ok=True)\n"),
+        Clean("import os\nif not os.path.exists(a):\n    os.makedirs(b)\n"),
+    )
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if self.qualify(original.func) != "os.makedirs" or not original.args or get_arg(original, "exist_ok", 2):
+            return None
+        guard = next((a for a in reversed(self.ctx.ancestors) if isinstance(a, cst.If)), None)
+        test = guard.test if guard is not None else None
+        if not (isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not)
+                and isinstance(test.expression, cst.Call) and test.expression.args
+                and self.qualify(test.expression.func) in ("os.path.exists", "os.path.isdir")):
+            return None
+        code = self.ctx.module.code_for_node
+        if code(test.expression.args[0].value) != code(original.args[0].value):
+            return None
+        self.report(original, "`exist_ok=True`: ranks racing to make the same folder no longer fail")
+        return with_args(updated, [*updated.args, keyword_arg("exist_ok", cst.Name("True"))])
+
+
 _APEX_PARALLEL = {
     "apex.parallel.DistributedDataParallel": "wrap_model",
     "apex.parallel.distributed.DistributedDataParallel": "wrap_model",
