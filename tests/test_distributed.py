@@ -446,3 +446,29 @@ def test_a_sampler_that_is_none_on_every_path_makes_way_for_the_distributed_one(
     assert "loader = DataLoader(train_set, batch_size=4, sampler=distributed_sampler(train_set, " \
            "shuffle=(train_sampler is None)))" in out
     assert not any("custom sampler" in r for r in reviews), reviews
+
+
+def test_a_loader_held_as_an_item_of_a_pair_handed_in_is_rebuilt_where_bound():
+    """recurrent-visual-attention's Trainer(config, data_loader) takes the (train, valid) pair
+    a factory of another module made: `data_loader[0]` is rebuilt for the rank, the validation
+    loader (`data_loader[1]`) stays whole."""
+    out, _ = ddp("""\
+        class Trainer:
+            def __init__(self, config, data_loader):
+                self.train_loader = data_loader[0]
+                self.valid_loader = data_loader[1]
+                self.model = torch.nn.Linear(4, 1)
+                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+            def train(self):
+                for x, y in self.train_loader:
+                    self.optimizer.zero_grad()
+                    torch.nn.functional.mse_loss(self.model(x), y).backward()
+                    self.optimizer.step()
+
+            def validate(self):
+                with torch.no_grad():
+                    return [self.model(x) for x, y in self.valid_loader]
+        """)
+    assert "self.train_loader = shard_loader(data_loader[0])" in out
+    assert "self.valid_loader = data_loader[1]" in out

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_  # bound before setup_distributed(), as scripts do
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler,
-                              TensorDataset, WeightedRandomSampler)
+                              SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
 from torch.utils.data.distributed import DistributedSampler
 
 from gpumigrate import runtime
@@ -528,6 +528,39 @@ def test_shard_loader_shards_a_plain_batch_sampler(monkeypatch, rt):
     assert sharded.batch_size == 3 and not sharded.drop_last and sharded.sampler.shuffle
     assert sorted(int(i) for b in sharded for i in b[0]) != list(range(10))  # half of it
     assert len([i for b in sharded for i in b[0]]) == 5
+
+
+def test_shard_loader_splits_a_subset_random_sampler(monkeypatch, rt):
+    """A train/valid split by SubsetRandomSampler (recurrent-visual-attention's loaders):
+    each rank draws its own half of the subset's indices, none outside it, and the sampler's
+    `indices` are what this rank draws this epoch."""
+    subset = [3, 5, 7, 11, 13, 17, 19]
+    data = TensorDataset(torch.arange(20))
+    drawn = []
+    for rank in (0, 1):
+        _fake_ranks(monkeypatch, internals(rt), rank)
+        loader = DataLoader(data, batch_size=2, sampler=SubsetRandomSampler(subset))
+        sharded = rt.shard_loader(loader)
+        mine = [int(i) for (batch,) in sharded for i in batch]
+        assert len(mine) == 4 and set(mine) <= set(subset)
+        assert sharded.sampler.indices == mine
+        drawn.append(mine)
+        whole = rt.shard_loader(DataLoader(data, sampler=SubsetRandomSampler(subset)), pad=False)
+        assert [int(x) for (x,) in whole] == subset[rank::2]  # evaluation: each index once
+    assert set(drawn[0]) | set(drawn[1]) == set(subset) and len(set(drawn[0]) & set(drawn[1])) <= 1
+
+
+def test_shard_loader_of_a_loader_without_workers_takes_no_prefetch_factor(monkeypatch, rt):
+    """A loader whose workers were set to 0 after it was made (torch < 2.0 kept a prefetch
+    factor of 2 without workers): DataLoader refuses a prefetch factor or persistent workers
+    without workers, so the rebuilt loader takes neither."""
+    _fake_ranks(monkeypatch, internals(rt), 0)
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True, num_workers=2,
+                        prefetch_factor=2, persistent_workers=True)
+    object.__setattr__(loader, "num_workers", 0)
+    sharded = rt.shard_loader(loader)
+    assert sharded.num_workers == 0 and sharded.prefetch_factor is None and not sharded.persistent_workers
+    assert len([x for (b,) in sharded for x in b]) == 4
 
 
 class Stream(IterableDataset):

@@ -230,9 +230,10 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
             items.append((first, why))
         splits = self.row_splits()
         for loop, names in splits:
-            items.append((loop, f"the rows (dim 0) of `{'`, `'.join(names)}` are split between the ranks: check that "
-                                "dim 0 is the batch (samples, not time steps or features); what the loop computes "
-                                "from them (a printed loss, a metric) is this rank's share"))
+            items.append((loop, f"the rows (dim 0) of `{'`, `'.join(names)}` are split between the ranks (kept whole, "
+                                "with a warning, where they are fewer than the ranks or differ in length): check "
+                                "that dim 0 is the batch (samples, not time steps or features); what the loop "
+                                "computes from them (a printed loss, a metric) is this rank's share"))
         covered = [call for call in self.model.backward_calls
                    if any(a is loop for loop, _ in splits for a in self.s.ancestors(call))]
         if self.unsharded_data and len(covered) < len(self.model.backward_calls):
