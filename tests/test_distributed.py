@@ -472,3 +472,24 @@ def test_a_loader_held_as_an_item_of_a_pair_handed_in_is_rebuilt_where_bound():
         """)
     assert "self.train_loader = shard_loader(data_loader[0])" in out
     assert "self.valid_loader = data_loader[1]" in out
+
+
+def test_a_batch_peeked_before_training_does_not_make_the_loader_an_evaluation_one():
+    """The CIFAR-10 tutorial draws `images, labels = next(iter(trainloader))` to show a few
+    samples, then trains on the same loader: one batch drawn outside any loop is no
+    evaluation, so the loader is still sharded."""
+    out, reviews = ddp("""\
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainloader = DataLoader(train_set, batch_size=4, shuffle=True)
+        dataiter = iter(trainloader)
+        images, labels = next(dataiter)
+        print(images.shape)
+        for epoch in range(2):
+            for x, y in trainloader:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        """)
+    assert "trainloader = DataLoader(train_set, batch_size=4, sampler=distributed_sampler(train_set))" in out
+    assert not any("used for training and for evaluation" in r for r in reviews), reviews

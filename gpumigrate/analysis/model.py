@@ -99,6 +99,9 @@ class Consumption:
     node: cst.CSTNode  # the For / While / next() call
     holder: cst.BaseExpression  # the expression naming the loader or iterator there
     trains: bool
+    # one batch drawn outside any loop, not to train (`images, labels = next(iter(loader))` to
+    # show a few samples or read shapes): no evaluation, so it gives the loader no role
+    peek: bool = False
 
 
 @dataclass(eq=False)
@@ -661,6 +664,8 @@ class ScriptModel:
                 if id(origin) in loaders:
                     loader = loaders[id(origin)]
                     loader.consumers.append(consumption)
+                    if consumption.peek:
+                        continue
                     role = "train" if consumption.trains else "eval"
                     loader.roles.add(role)
                     if via is not None:
@@ -891,11 +896,21 @@ class ScriptModel:
                         out.append(Consumption(loop, holder, trains))
             elif kind is cst.Call and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
-                out.append(Consumption(node, node.args[0].value, self._loop_trains(node)))
+                trains = self._loop_trains(node)
+                out.append(Consumption(node, node.args[0].value, trains, peek=not trains and not self._in_loop(node)))
             elif kind is cst.Call and isinstance(node.func, cst.Attribute) and \
                     node.func.attr.value == "next" and not node.args and self.kind(node.func.value) == v.ITERATOR:
                 out.append(Consumption(node, node.func.value, self._loop_trains(node)))  # Python 2's it.next()
         return out
+
+    def _in_loop(self, node: cst.CSTNode) -> bool:
+        """Is `node` inside a loop of its own function (or of the module)?"""
+        for ancestor in self.s.ancestors(node):
+            if isinstance(ancestor, (cst.For, cst.While)):
+                return True
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
+                return False
+        return False
 
     def _loop_trains(self, node: cst.CSTNode) -> bool:
         """Does the loop around `node` train (or, outside loops, its function)?"""
