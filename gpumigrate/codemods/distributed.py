@@ -577,6 +577,13 @@ class DistributedSamplerRule(Rule):
         return self._sampled_loop(original, updated)
 
     def _sampled_loop(self, original, updated):
+        phase = self.plan.phase_loops.get(id(original)) if self.plan.active else None
+        if phase is not None and isinstance(original.iter, cst.Subscript):
+            self.report(original.iter, f"training data, in the passes where `{self.ctx.module.code_for_node(phase)}`: "
+                                       "rebuilt for this rank there (`shard_loader`); the other phases read the "
+                                       "whole set, as before")
+            updated = updated.with_changes(iter=_call(self.ctx, "shard_loader", [
+                cst.Arg(updated.iter), keyword_arg("shard", phase.deep_clone())], self.fixing))
         if isinstance(original, cst.For) and self.plan.foreign_iterations:
             inner = self._iterated(original.iter, updated.iter)
             if inner is not None:

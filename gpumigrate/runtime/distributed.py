@@ -665,7 +665,7 @@ class _SubsetEpochSampler(_EpochSampler):
         return (self._subset[i] for i in super().__iter__())
 
 
-def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True) -> Any:
+def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True, shard: bool = True) -> Any:
     """`loader` (a DataLoader built anywhere: a factory in another module) giving this rank
     its own part of the data each epoch; in one process, `loader` itself.
 
@@ -683,9 +683,10 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True) -> Any:
     RandomSampler drawing with replacement or a number of samples, a DataLoader subclass. A
     loader already sharded (a DistributedSampler) is returned as it is. The same `loader` gives
     the same rebuilt loader at every call (a trainer that shards what it is handed, once per
-    epoch, still gets a new order each epoch).
+    epoch, still gets a new order each epoch). `shard=False` returns `loader` (a phase that
+    does not train: `shard_loader(dataloaders[phase], shard=phase == 'train')`).
     """
-    if not is_distributed() or loader is None:  # None: a loader the script did not make (`rafd_loader = None`)
+    if not shard or not is_distributed() or loader is None:  # None: a loader the script did not make
         return loader
     try:
         return _SHARDED[loader][(seed, pad)]

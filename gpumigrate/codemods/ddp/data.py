@@ -92,7 +92,7 @@ class Sharding:
         (`if len(memory) > 2000: train()`, `while not done: update()`). Such models are not
         DDP-wrapped: the step averaging lets a rank that finishes first take part until the
         others finish (runtime/uneven.py), which DDP's averaging inside backward cannot."""
-        return (self.shard_training and not self.driver
+        return (self.shard_training and not self.driver and not self.phase_loops
                 and not any(l.role in ("train", "flag") for l in self.model.loaders)
                 and not self.foreign_loaders and not self.foreign_params and not self.foreign_iterations
                 and not self._rebuilt_loaders)
@@ -225,6 +225,65 @@ class Sharding:
                     if not (isinstance(parent, cst.Attribute) and parent.attr is node):
                         out.append(node)
         return out
+
+    @cached_property
+    def phase_loops(self) -> Dict[int, cst.BaseExpression]:
+        """id(loop) -> the test that its phase trains, for `for x, y in dataloaders[phase]:`
+        over a dict of DataLoaders whose training (every `.backward()` and step in the loop)
+        runs only under `if phase == 'train':` (the transfer-learning tutorial's phases). The
+        loop's loader is rebuilt for the rank where that test holds (`shard_loader(...,
+        shard=phase == 'train')`): exactly the passes that train are sharded, evaluation
+        phases read the whole set as before."""
+        if not (self.active and self.shard_training):
+            return {}
+        out: Dict[int, cst.BaseExpression] = {}
+        for loop in self.s.index.of(cst.For):
+            it = loop.iter
+            if isinstance(it, cst.Call) and it.args and runtime_helper(self.model.qualify(it.func)) == "shard_loader":
+                it = it.args[0].value  # rebuilt by an earlier run
+            if not (isinstance(it, cst.Subscript) and isinstance(it.value, cst.Name) and len(it.slice) == 1
+                    and isinstance(it.slice[0].slice, cst.Index) and isinstance(it.slice[0].slice.value, cst.Name)):
+                continue
+            key = it.slice[0].slice.value.value
+            if not self._dict_of_loaders(it.value) or not self.model.trains(loop.body):
+                continue
+            training = [c for c in (*self.model.backward_calls, *self.model.step_calls)
+                        if any(a is loop for a in self.s.ancestors(c))]
+            tests = [self._phase_test(c, loop, key) for c in training]
+            if training and all(t is not None for t in tests) and \
+                    len({self.ctx.module.code_for_node(t) for t in tests}) == 1:
+                out[id(loop)] = tests[0]
+        return out
+
+    def _dict_of_loaders(self, name: cst.Name) -> bool:
+        """`name` is bound only to `{x: DataLoader(...) for x in ...}` or a dict of DataLoader calls."""
+        bindings = self.s.all_bindings(name.value, self.s.scope(name))
+        if not bindings:
+            return False
+        for b in bindings:
+            value = b.value
+            if b.how != "assign":
+                return False
+            values = [value.value] if isinstance(value, cst.DictComp) else \
+                [e.value for e in value.elements] if isinstance(value, cst.Dict) else []
+            if not values or not all(isinstance(x, cst.Call) and self.model.qualify(x.func) in v.DATALOADER
+                                     for x in values):
+                return False
+        return True
+
+    def _phase_test(self, call: cst.Call, loop: cst.For, key: str) -> Optional[cst.BaseExpression]:
+        """The `key == 'train'` test of the `if` inside `loop` whose body `call` runs in."""
+        inside = list(self.s.ancestors(call))
+        for node in inside:
+            if node is loop:
+                return None
+            if isinstance(node, cst.If) and any(a is node.body for a in inside):
+                test = node.test
+                if isinstance(test, cst.Comparison) and isinstance(test.left, cst.Name) and test.left.value == key \
+                        and len(test.comparisons) == 1 and isinstance(test.comparisons[0].operator, cst.Equal) \
+                        and isinstance(test.comparisons[0].comparator, cst.SimpleString):
+                    return test
+        return None
 
     @cached_property
     def _driven_by_optimizers(self) -> bool:
