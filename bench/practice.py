@@ -259,13 +259,15 @@ def compare_optimizers(run: dict) -> dict:
 
 
 def sharding(run: dict) -> dict:
-    """The training sampler of the ddp run: the one that drew most indices on rank 0, first epoch."""
+    """The training sampler of the ddp run: of rank 0's first pass of each sampler, the one most
+    optimizer steps followed (the probe counts a step for the sampler that yielded last), then
+    the one that drew most indices (a training loop beside a larger evaluation set)."""
     r0, r1 = run["ranks"].get(0, {}), run["ranks"].get(1, {})
     first = lambda rep: {s["sampler"]: s for s in rep.get("samplers", []) if s.get("call") == 0}  # noqa: E731
     s0, s1 = first(r0), first(r1)
     if not s0:
         return _own_data(r0.get("inputs") or [], r1.get("inputs") or [])
-    best = max(s0.values(), key=lambda s: len(s["indices"]))
+    best = max(s0.values(), key=lambda s: (s.get("steps", 0), len(s["indices"])))
     other = s1.get(best["sampler"])
     info = {"kind": best["kind"], "dataset_len": best.get("dataset_len"), "drawn": [len(best["indices"])]}
     replicas = best.get("num_replicas") or best.get("step") or 1

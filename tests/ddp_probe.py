@@ -82,6 +82,7 @@ class Recorder:
         self.models: list = []          # what wrap_model returned, in call order
         self.wrap_calls: list = []
         self.iterations: list = []      # one entry per sampler __iter__, in time order
+        self.last_iteration: Optional[dict] = None  # the iteration that yielded last (a step counts for it)
         self._samplers: list = []       # strong refs: keeps id() unique
         self.saves: list = []
         self.modules: dict = {}         # id -> module seen in the run (for --probe-load)
@@ -158,10 +159,12 @@ def _patch_iter(cls, kind) -> None:
         entry = _describe(self, kind)
         entry["call"] = sum(it["sampler"] == entry["sampler"] for it in REC.iterations)  # this sampler's epoch
         entry["indices"] = []
+        entry["steps"] = 0  # optimizer steps taken while this iteration was the last to yield
         REC.iterations.append(entry)
         # Lazily, as the original yields: the RNG is drawn at the same moment as without the probe.
         for index in original(self):
             entry["indices"].append(int(index))
+            REC.last_iteration = entry
             yield index
 
     __iter__.__wrapped__ = original
@@ -275,6 +278,8 @@ def _patch_optimizers() -> None:
         EXTRA.depth = max(0, EXTRA.depth - 1)
 
     def after_step(optimizer, args, kwargs):
+        if REC.last_iteration is not None:
+            REC.last_iteration["steps"] += 1
         if EXTRA.active and EXTRA.since_step and len(EXTRA.inputs) < MAX_INPUTS:
             EXTRA.inputs.append(hashlib.sha1("|".join(EXTRA.since_step).encode()).hexdigest()[:16])
         EXTRA.since_step = []
