@@ -493,3 +493,52 @@ def test_a_batch_peeked_before_training_does_not_make_the_loader_an_evaluation_o
         """)
     assert "trainloader = DataLoader(train_set, batch_size=4, sampler=distributed_sampler(train_set))" in out
     assert not any("used for training and for evaluation" in r for r in reviews), reviews
+
+
+PHASES = """\
+import os
+from tempfile import TemporaryDirectory
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+sets = {'train': train_set, 'val': train_set}
+dataloaders = {x: DataLoader(sets[x], batch_size=4, shuffle=True) for x in ['train', 'val']}
+with TemporaryDirectory() as tempdir:
+    best = os.path.join(tempdir, 'best.pt')
+    torch.save(model.state_dict(), best)
+    for epoch in range(2):
+        for phase in ['train', 'val']:
+            model.train() if phase == 'train' else model.eval()
+            for x, y in dataloaders[phase]:
+                opt.zero_grad()
+                with torch.set_grad_enabled(phase == 'train'):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    if phase == 'train':
+                        loss.backward()
+                        opt.step()
+            if phase == 'val':
+                torch.save(model.state_dict(), best)
+    model.load_state_dict(torch.load(best))
+"""
+
+
+def test_the_training_phase_of_a_loop_over_dataloaders_by_phase_is_sharded():
+    """The transfer-learning tutorial: `for phase in ['train', 'val']` over a dict of
+    loaders, training only under `if phase == 'train':`. Exactly those passes are sharded,
+    the validation passes read the whole set; the best weights go to each process's own
+    temporary directory, so every rank writes and reads back its own copy."""
+    out, reviews = ddp(PHASES)
+    assert "for x, y in shard_loader(dataloaders[phase], shard=phase == 'train'):" in out
+    assert "dataloaders = {x: DataLoader(sets[x], batch_size=4, shuffle=True) for x in ['train', 'val']}" in out
+    assert "    torch.save(unwrap_model(model).state_dict(), best)\n" in out
+    assert "is_main_process():\n            torch.save" not in out and "barrier()" not in out
+    assert not any("does not come from a DataLoader" in r for r in reviews), reviews
+
+
+def test_phases_trained_under_another_test_are_left_whole():
+    """Training not under `if phase == '...'` (backward in every phase): no phase can be
+    told apart, the data stays whole and the review says so."""
+    out, reviews = ddp(PHASES.replace("                    if phase == 'train':\n                        loss.backward()\n"
+                                      "                        opt.step()\n",
+                                      "                    loss.backward()\n                    opt.step()\n"))
+    assert "shard_loader" not in out
+    assert any("does not come from a DataLoader" in r for r in reviews), reviews

@@ -550,6 +550,13 @@ def test_shard_loader_splits_a_subset_random_sampler(monkeypatch, rt):
     assert set(drawn[0]) | set(drawn[1]) == set(subset) and len(set(drawn[0]) & set(drawn[1])) <= 1
 
 
+def test_shard_loader_of_a_phase_that_does_not_train_is_the_loader(monkeypatch, rt):
+    _fake_ranks(monkeypatch, internals(rt), 0)
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
+    assert rt.shard_loader(loader, shard=False) is loader
+    assert rt.shard_loader(loader, shard=True) is not loader
+
+
 def test_shard_loader_of_a_loader_without_workers_takes_no_prefetch_factor(monkeypatch, rt):
     """A loader whose workers were set to 0 after it was made (torch < 2.0 kept a prefetch
     factor of 2 without workers): DataLoader refuses a prefetch factor or persistent workers

@@ -72,7 +72,8 @@ class RankZero:
             if not (isinstance(small, cst.Expr) and isinstance(small.value, cst.Call)):
                 return None
             kind = self.model.output_call(small.value)
-            if kind is None or self._per_rank_file(small.value) or self._to_devnull_file(small.value):
+            if kind is None or self._per_rank_file(small.value) or self._to_devnull_file(small.value) \
+                    or kind == "save" and self._in_own_temp_dir(small.value):
                 return None
             verdicts.append(self._safe_args(small.value))
         if self.gated(line, main_only=True) or self._in_gated_function(line) or self.model.rank_query(line) \
@@ -101,6 +102,29 @@ class RankZero:
                 continue
             return False
         return True
+
+    def _in_own_temp_dir(self, call: cst.Call) -> bool:
+        """A save into a temporary directory this process made (`with TemporaryDirectory() as
+        d:`, the path `os.path.join(d, 'best.pt')`): each rank's own scratch file, which it
+        reads back itself (the transfer-learning tutorial's best weights). Every rank writes
+        its own: gated to rank 0, the others would read a file that is not in their folder."""
+        names = [n for a in call.args for n in self.s.index.subtree(a.value) if isinstance(n, cst.Name)]
+        seen: Set[str] = set()
+        for depth in range(3):
+            more = []
+            for name in names:
+                if name.value in seen:
+                    continue
+                seen.add(name.value)
+                _, bindings = self.s.lookup(name.value, self.s.scope(name), self.s.order(self.s.statement(name) or name))
+                for b in bindings:
+                    if b.how == "with" and isinstance(b.value, cst.Call) and \
+                            self.model.qualify(b.value.func) == "tempfile.TemporaryDirectory":
+                        return True
+                    if b.how == "assign" and isinstance(b.value, cst.BaseExpression):
+                        more.extend(n for n in self.s.index.subtree(b.value) if isinstance(n, cst.Name))
+            names = more
+        return False
 
     def _per_rank_file(self, call: cst.Call) -> bool:
         """A write to a file whose name depends on the rank (`open("log_rank%d.txt" % rank)`):
