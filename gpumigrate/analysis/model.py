@@ -897,18 +897,18 @@ class ScriptModel:
             elif kind is cst.Call and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                 trains = self._loop_trains(node)
-                out.append(Consumption(node, node.args[0].value, trains, peek=not trains and not self._in_loop(node)))
+                out.append(Consumption(node, node.args[0].value, trains, peek=not trains and not self.in_loop(node)))
             elif kind is cst.Call and isinstance(node.func, cst.Attribute) and \
                     node.func.attr.value == "next" and not node.args and self.kind(node.func.value) == v.ITERATOR:
                 out.append(Consumption(node, node.func.value, self._loop_trains(node)))  # Python 2's it.next()
         return out
 
-    def _in_loop(self, node: cst.CSTNode) -> bool:
+    def in_loop(self, node: cst.CSTNode) -> bool:
         """Is `node` inside a loop of its own function (or of the module)?"""
         for ancestor in self.s.ancestors(node):
             if isinstance(ancestor, (cst.For, cst.While)):
                 return True
-            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
                 return False
         return False
 

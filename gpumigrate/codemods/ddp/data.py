@@ -33,7 +33,7 @@ import libcst as cst
 
 from gpumigrate.analysis.launch import DISTRIBUTED_SAMPLERS
 from gpumigrate.analysis.model import Loader
-from gpumigrate.analysis.structure import dotted
+from gpumigrate.analysis.structure import Binding, Scope, dotted
 from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.values import call_argument
@@ -161,10 +161,7 @@ class Sharding:
             return None
         inner = loops[0]
 
-        def bound_in(name: str, loop: cst.CSTNode) -> List:
-            return [b for b in scope.bindings.get(name, []) if any(a is loop for a in self.s.ancestors(b.stmt))]
-
-        losses = bound_in(func.value.value, inner)
+        losses = self._bound_in(func.value.value, scope, inner)
         if len(losses) != 1 or losses[0].how != "assign" or not isinstance(losses[0].value, cst.Call) \
                 or losses[0].order > self.s.order(backward):
             return None
@@ -177,14 +174,15 @@ class Sharding:
             reads = {n.value for n in self._reads(loss)}
             forwards = []
             for name in reads:
-                for b in bound_in(name, inner):
+                for b in self._bound_in(name, scope, inner):
                     if b.how in ("assign", "unpack") and isinstance(b.value, cst.Call) and b.order < losses[0].order \
                             and self._fixed_forward(b.value, inner):
                         forwards.append(b)
-            if len({id(b.value) for b in forwards}) != 1 or any(bound_in(n, inner) for n in reads if n not in
-                                                                 {b.name for b in forwards}):
+            outputs = {b.name for b in forwards}
+            if len({id(b.value) for b in forwards}) != 1 or \
+                    any(self._bound_in(n, scope, inner) for n in reads - outputs):
                 return None  # no forward, several, or the loss reads other values the loop makes
-            forward, outputs = forwards[0].value, {b.name for b in forwards}
+            forward = forwards[0].value
         names = []
         for name in dict.fromkeys(n.value for n in (*self._reads(forward), *self._reads(loss))):
             kind = self.model.kind_of_name(name, forward)
@@ -197,7 +195,7 @@ class Sharding:
             return None
         placed = None
         for loop in loops:
-            if any(bound_in(n, loop) for n in names):
+            if any(self._bound_in(n, scope, loop) for n in names):
                 break
             placed = loop
         return (placed, names) if placed is not None else None
@@ -211,9 +209,13 @@ class Sharding:
             if arg.star or not isinstance(arg.value, cst.Name) or \
                     self.model.kind_of_name(arg.value.value, call) not in v.TENSORS:
                 return False
-            if any(any(a is loop for a in self.s.ancestors(b.stmt)) for b in scope.bindings.get(arg.value.value, [])):
+            if self._bound_in(arg.value.value, scope, loop):
                 return False
         return True
+
+    def _bound_in(self, name: str, scope: Scope, loop: cst.CSTNode) -> List[Binding]:
+        """The bindings of `name` in `scope` made inside `loop`."""
+        return [b for b in scope.bindings.get(name, []) if any(a is loop for a in self.s.ancestors(b.stmt))]
 
     def _reads(self, call: cst.Call) -> List[cst.Name]:
         """The names a call's arguments read (not attribute names or keywords)."""

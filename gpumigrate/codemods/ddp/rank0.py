@@ -110,7 +110,7 @@ class RankZero:
         its own: gated to rank 0, the others would read a file that is not in their folder."""
         names = [n for a in call.args for n in self.s.index.subtree(a.value) if isinstance(n, cst.Name)]
         seen: Set[str] = set()
-        for depth in range(3):
+        for _ in range(3):  # through `path = os.path.join(d, ...)` and up to two more names
             more = []
             for name in names:
                 if name.value in seen:
@@ -121,7 +121,7 @@ class RankZero:
                     if b.how == "with" and isinstance(b.value, cst.Call) and \
                             self.model.qualify(b.value.func) == "tempfile.TemporaryDirectory":
                         return True
-                    if b.how == "assign" and isinstance(b.value, cst.BaseExpression):
+                    if b.how == "assign":
                         more.extend(n for n in self.s.index.subtree(b.value) if isinstance(n, cst.Name))
             names = more
         return False
@@ -385,16 +385,8 @@ class RankZero:
                 continue
             if not self.identifier(node):
                 continue
-            out[id(node)] = self.uniform(node) and not self._in_loop(node)
+            out[id(node)] = self.uniform(node) and not self.model.in_loop(node)
         return out
-
-    def _in_loop(self, node: cst.CSTNode) -> bool:
-        for ancestor in self.s.ancestors(node):
-            if isinstance(ancestor, (cst.For, cst.While)):
-                return True
-            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
-                return False
-        return False
 
 
 def _devnull_already(call: cst.Call) -> bool:
