@@ -1,5 +1,5 @@
 """What `--to ddp` does to real training scripts: the practice corpus (bench/practice_corpus.json),
-each script migrated, run, and classified from what tests/ddp_probe.py recorded.
+each script migrated, run, and classified from what gpumigrate/verify/probe.py recorded.
 
     python bench/practice.py --python /tmp/venv-tv/bin/python [--at HEAD] [--only NAME[,NAME...]]
                              [--json OUT] [--md OUT] [--corpus DIR] [--scratch DIR] [--timeout 300] [-v]
@@ -13,7 +13,7 @@ entry, in a scratch copy of its files (the script and the sibling modules it imp
    hand" lines, whether every output compiles, and whether a second `--to ddp` changes anything;
 2. the `--to device` output in one process (the baseline: the original `.cuda()` script cannot
    run on a CPU) and the `--to ddp` output under `torch.distributed.run --standalone
-   --nproc_per_node=2`, both under tests/ddp_probe.py, with OMP_NUM_THREADS=1, a hard timeout,
+   --nproc_per_node=2`, both under gpumigrate/verify/probe.py, with OMP_NUM_THREADS=1, a hard timeout,
    and bench/practice_shim/ on PYTHONPATH (fake datasets, capped loaders and steps: see its
    docstring), with the interpreter given by --python (one that has torchvision);
 3. a class, from the probe's records of the ddp run:
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.probe_runs import LAUNCH_VARS, run_bounded  # noqa: E402
+from gpumigrate.verify.runs import LAUNCH_VARS, run_bounded  # noqa: E402
 
 SHIM = ROOT / "bench" / "practice_shim"
 MANIFEST = ROOT / "bench" / "practice_corpus.json"
@@ -190,7 +190,7 @@ def launch(python: str, root: Path, entry: dict, args: List[str], nproc: int, ti
     out = root / "_probe"
     launcher = [python] if nproc == 1 else [python, "-m", "torch.distributed.run", "--standalone",
                                             f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, str(gm_root / "tests" / "ddp_probe.py"), str(out), str(script), *args]
+    cmd = [*launcher, str(gm_root / "gpumigrate" / "verify" / "probe.py"), str(out), str(script), *args]
     code, stdout, stderr, seconds = run_bounded(cmd, cwd, run_env(root, entry, root, gm_root), timeout)
     ranks = {}
     for report in sorted(out.glob("rank*.json")):

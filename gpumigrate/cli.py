@@ -10,6 +10,7 @@ import errno
 import os
 import stat
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import click
@@ -660,3 +661,63 @@ def explain(code: str) -> None:
         _echo("\n## Not flagged")
         for e in clean:
             _echo("```python\n" + e.code + "```")
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS...]")
+@click.option("--to", "target", required=True, metavar="TARGET",
+              help="What the migration is for: device, ddp, amp, or a comma list (ddp,amp).")
+@click.option("--against", type=click.Path(dir_okay=False), default=None,
+              help="A migrated script to check; default: migrate SCRIPT into a temporary folder.")
+@click.option("--steps", type=click.IntRange(1, 1000), default=5, show_default=True,
+              help="Optimizer steps each run takes (the next one ends it).")
+@click.option("--batches", type=click.IntRange(1, 1000), default=3, show_default=True,
+              help="Batches per pass over a DataLoader, so epochs end and evaluation runs.")
+@click.option("--nproc", type=click.IntRange(2, 64), default=2, show_default=True, help="Ranks of the torchrun run.")
+@click.option("--timeout", type=click.FloatRange(1, 86400), default=300.0, show_default=True,
+              help="Seconds each run may take.")
+@click.option("--data", type=click.Choice(["fake", "real"]), default="fake", show_default=True,
+              help="fake: torchvision datasets become small random ones; real: the script's own data.")
+@click.option("--samples", type=click.IntRange(8, 1_000_000), default=64, show_default=True,
+              help="Training samples of a faked dataset (other splits get a quarter).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--keep", is_flag=True, help="Keep the scratch folder of the runs (printed) for a look.")
+def verify(script: str, script_args: Tuple[str, ...], target: str, against: Optional[str], steps: int, batches: int,
+           nproc: int, timeout: float, data: str, samples: int, fmt: str, keep: bool) -> None:
+    """Run SCRIPT and its migration side by side for a few steps, on this machine's CPU, and
+    say whether they train the same.
+
+    Exit status: 0 equivalent, 1 a difference (the first quantity that differs, and where the
+    migrated script computes it), 2 could not judge (the original fails on its own, needs data
+    verify cannot fake, or runs past --timeout). Nothing of the user's is written: each run
+    works in a scratch copy of the script's folder."""
+    import json
+
+    from gpumigrate.verify.runner import Options, VerifyError
+    from gpumigrate.verify.runner import verify as run_verify
+
+    for path, what in ((script, "SCRIPT"), (against, "--against")):
+        if path is not None and not os.path.isfile(path):
+            raise click.BadParameter(f"{path}: no such file", param_hint=what)
+    try:
+        target = parse_target(target)
+    except TargetError as exc:
+        raise click.BadParameter(str(exc), param_hint="--to") from None
+    opts = Options(script=Path(script), target=target, args=list(script_args), against=Path(against) if against else None,
+                   steps=steps, batches=batches, nproc=nproc, timeout=timeout, data=data, samples=samples, keep=keep)
+    tty = sys.stderr.isatty()
+    try:
+        verdict = run_verify(opts, progress=(lambda text: _err(f"verify: {text}")) if tty else None)
+    except VerifyError as exc:
+        _err(f"{script}: could not judge: {exc}")
+        sys.exit(EXIT_ERROR)
+    if fmt == "json":
+        _echo(json.dumps(verdict.as_json(), indent=1))
+    else:
+        _echo(f"{script} --to {target}: {verdict.status}: {verdict.reason} ({verdict.seconds:.1f} s)")
+        width = max((len(c.name) for c in verdict.checks), default=0)
+        for check in verdict.checks:
+            where = f" [{check.line}]" if check.line else ""
+            _echo(f"  {check.status:<4}  {check.name:<{width}}  {check.detail}{where}")
+    sys.exit(verdict.exit_code)

@@ -1,4 +1,4 @@
-"""Running a script under tests/ddp_probe.py, in one process or under torchrun, and reading
+"""Running a script under gpumigrate/verify/probe.py, in one process or under torchrun, and reading
 what the probe recorded. Shared by the end-to-end test modules."""
 
 from __future__ import annotations
@@ -6,29 +6,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from gpumigrate.verify.runs import clean_env, run_bounded
 from tests.conftest import ROOT
 
-PROBE = ROOT / "tests" / "ddp_probe.py"
+PROBE = ROOT / "gpumigrate" / "verify" / "probe.py"
 NPROC = 2
 TIMEOUT = 120  # seconds per run; a correct one takes < 10 s here, a deadlocked one never ends
-# A launcher's variables in pytest's own environment must not leak into the runs.
-LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-               "MASTER_ADDR", "MASTER_PORT"}
 
 
 def probe_env(work: Path, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env = clean_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=str(work / "tmp"), PYTHONHASHSEED="0")
     env.update(extra or {})
     return env
@@ -81,53 +75,6 @@ class Run:
     def checkpoint_files(self) -> List[Path]:
         """*.pt files the script left in its cwd or temp dir (not the probe's own)."""
         return sorted(p for p in self.work.rglob("*.pt") if self.out not in p.parents)
-
-
-def _descendants(pid: int) -> List[int]:
-    """Every process below `pid` (from /proc; empty where there is none)."""
-    children: Dict[int, List[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def run_bounded(cmd: Sequence[str], cwd: Path, env: Dict[str, str],
-                timeout: float) -> Tuple[Optional[int], str, str, float]:
-    """`cmd` in a session of its own: (exit status, stdout, stderr, seconds). Past `timeout`
-    every process it started is killed and the status is None."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(list(cmd), cwd=str(cwd), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        code: Optional[int] = proc.returncode
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            stdout, stderr = "", "(output lost: a process survived the kill)"
-        code = None
-    return code, stdout, stderr, time.perf_counter() - start
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """torchrun starts each worker in a session of its own: killing torchrun's process group
-    leaves them running (and holding the output pipes), so kill every descendant by pid."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def run_probe(script: Path, work: Path, nproc: int, args: Sequence[str] = (), probe_args: Sequence[str] = (),

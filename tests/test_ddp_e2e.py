@@ -1,5 +1,5 @@
 """`--to ddp` end to end: each DDP golden runs once in one process and once under
-`torchrun --standalone --nproc_per_node=2` (gloo, CPU), both through tests/ddp_probe.py, and
+`torchrun --standalone --nproc_per_node=2` (gloo, CPU), both through gpumigrate/verify/probe.py, and
 the two runs must show that the migration is right, not merely that it runs:
 
 1. `python X.py` exits 0;                      2. the torchrun run exits 0 on both ranks;

@@ -19,8 +19,8 @@ from typing import List, Tuple
 import pytest
 import torch
 
+from gpumigrate.verify.runs import clean_env
 from tests.conftest import FIXTURES, ROOT, migrate
-from tests.probe_runs import LAUNCH_VARS
 
 REPORT = FIXTURES / "field" / "report1"
 pytestmark = [pytest.mark.e2e]
@@ -37,7 +37,7 @@ def _migrated(name: str, target: str, tmp_path: Path) -> Tuple[Path, List[str]]:
 
 
 def _run(script: Path, ranks: int = 1, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env = clean_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     launcher = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]

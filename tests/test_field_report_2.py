@@ -10,7 +10,7 @@ failure (XPASS strict) the moment it lands. If you implemented one, remove its m
 How the runs are checked (no test compares source text where a run can tell):
 * `python` runs: the script's output, or a wrapper that patches one torch function to see what
   reached it (BCE inputs, `.numpy()` of autocast values);
-* `torchrun --standalone --nproc_per_node=2` runs go through tests/ddp_probe.py (which samples
+* `torchrun --standalone --nproc_per_node=2` runs go through gpumigrate/verify/probe.py (which samples
   each rank drew, what each rank printed and saved) with the STEPS wrapper (below) in between,
   which records every optimizer's parameters right after its LAST step on each rank. "Identical
   weights" is checked there, not only at exit: a DDP wrap made after training (P01) broadcasts
@@ -39,8 +39,9 @@ import torch
 from click.testing import CliRunner
 
 from gpumigrate.cli import main as cli
+from gpumigrate.verify.runs import clean_env
 from tests.conftest import FIXTURES, ROOT, migrate
-from tests.probe_runs import LAUNCH_VARS, NPROC, Run, run_probe
+from tests.probe_runs import NPROC, Run, run_probe
 
 REPORT1 = FIXTURES / "field" / "report1"
 REPORT = FIXTURES / "field" / "report2"
@@ -100,7 +101,7 @@ def _snapshot(folder: Path) -> Dict[str, str]:
 # ---------------------------------------------------------------- running
 
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env = clean_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     env.update(extra or {})
     return env

@@ -2,7 +2,7 @@
 
 Each fixture of issue 7 (fixtures/scripts/<name>, one realistic script per group of patterns of
 the field report) is migrated by the tool into fixtures/expected/{ddp,device}/<name> (the
-goldens). These tests run the goldens through tests/ddp_probe.py, in one process
+goldens). These tests run the goldens through gpumigrate/verify/probe.py, in one process
 (`python X.py`) and, for the DDP ones, under `torchrun --standalone --nproc_per_node=2` (gloo,
 CPU), and check what the runs did: what each rank printed, which samples each rank iterated,
 the parameters every optimizer trains, the files written and by whom, what torch.load read.

@@ -18,6 +18,7 @@ import torch
 
 from gpumigrate import runtime
 from gpumigrate.runtime import get_device, tensor_type
+from gpumigrate.verify.runs import clean_env
 
 
 @pytest.fixture(params=["package", "vendored"])
@@ -334,16 +335,13 @@ def test_cleanup_without_a_group_is_a_quick_no_op():
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
-LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-               "MASTER_ADDR", "MASTER_PORT"}
 # What a process killed by a signal, or a C++ abort, leaves in its output (torchrun's summary
 # says "exitcode  : -6 (pid: ...)  (SIGABRT)").
 SIGNAL_SIGNS = re.compile(r"terminate called|Fatal Python error|exitcode\s*:\s*-\d+|SIGABRT|SIGSEGV")
 
 
 def _env(tmp: Path) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env = clean_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", TMPDIR=str(tmp))
     return env
 

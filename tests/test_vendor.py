@@ -409,7 +409,7 @@ def test_the_package_runtime_works_without_the_tools_dependencies(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.ddp
 def test_vendored_ddp_script_trains_under_torchrun_without_gpumigrate(tmp_path):
-    from tests.probe_runs import kill_tree
+    from gpumigrate.verify.runs import kill_tree
 
     work = tmp_path / "cluster"  # what the user ships: the script and the vendored runtime
     work.mkdir()

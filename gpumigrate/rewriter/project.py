@@ -271,3 +271,18 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
         shown = str(module.path)
     return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines,
                 module.methods, module.stateful)
+
+
+def project_files(path: str) -> List[Path]:
+    """`path` and every project module it imports, directly or through another one (resolved
+    paths, `path` first): the files a migration of the program rewrites."""
+    reader = _Reader()
+    first = Path(path).resolve()
+    found, todo = [first], [first]
+    while todo:
+        module = reader.get(todo.pop())
+        for target in module.imports if module is not None else ():
+            if target not in found and target.suffix == ".py":
+                found.append(target)
+                todo.append(target)
+    return found

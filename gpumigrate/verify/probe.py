@@ -1,7 +1,7 @@
 """Run a training script unchanged and record what DistributedDataParallel must get right.
 
-    torchrun --standalone --nproc_per_node=2 tests/ddp_probe.py [OPTIONS] OUT_DIR SCRIPT [ARGS...]
-    python tests/ddp_probe.py [OPTIONS] OUT_DIR SCRIPT [ARGS...]          # one process
+    torchrun --standalone --nproc_per_node=2 gpumigrate/verify/probe.py [OPTIONS] OUT_DIR SCRIPT [ARGS...]
+    python gpumigrate/verify/probe.py [OPTIONS] OUT_DIR SCRIPT [ARGS...]          # one process
 
 SCRIPT runs with `runpy.run_path(run_name="__main__")` and `sys.argv = [SCRIPT, *ARGS]`, as
 `python SCRIPT ARGS` would run it; nothing in it is edited. Before it starts, the probe
@@ -61,7 +61,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -74,7 +74,7 @@ import gpumigrate.runtime as runtime_pkg  # noqa: E402
 import gpumigrate.runtime.distributed as runtime_dist  # noqa: E402
 
 TORCH_SAVE = torch.save
-USAGE = "usage: ddp_probe.py [--probe-load CKPT]... [--probe-eval-with CKPT] OUT_DIR SCRIPT [ARGS...]"
+USAGE = "usage: probe.py [--probe-load CKPT]... [--probe-eval-with CKPT] OUT_DIR SCRIPT [ARGS...]"
 
 
 class Recorder:
@@ -108,9 +108,16 @@ class Tee:
     def __init__(self, stream) -> None:
         self.stream = stream
         self.parts: list = []
+        self.lines: list = []   # [optimizer steps before it, evaluation window or None, text]
+        self._partial = ""
 
     def write(self, text):
         self.parts.append(text)
+        if len(self.lines) < MAX_LINES:
+            *done, self._partial = (self._partial + text).split("\n")
+            at = _script_line(2) if VERIFY.active and done else None
+            for line in done:
+                self.lines.append([VERIFY.steps_taken, VERIFY.window, line, at])
         return self.stream.write(text)
 
     def flush(self):
@@ -139,6 +146,10 @@ def _patch_wrap_model() -> None:
 
 def _describe(sampler, kind):
     info = {"kind": kind, "sampler": REC.sampler_id(sampler)}
+    try:
+        info["length"] = len(sampler)  # what this rank draws per pass
+    except TypeError:
+        pass
     if kind == "DistributedSampler":
         info.update(dataset_len=len(sampler.dataset), num_replicas=sampler.num_replicas,
                     sampler_rank=sampler.rank, shuffle=bool(sampler.shuffle), drop_last=bool(sampler.drop_last),
@@ -177,11 +188,23 @@ def _patch_save() -> None:
     def save(obj, f, *args, **kwargs):
         path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", repr(f))
         REC.saves.append({"path": os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else str(path),
-                          "kind": type(obj).__name__, "state_dicts": {k: sorted(v) for k, v in _state_dicts(obj).items()}})
+                          "kind": type(obj).__name__, "state_dicts": {k: sorted(v) for k, v in _state_dicts(obj).items()},
+                          "entries": {str(k): _entry_kind(v) for k, v in list(obj.items())[:50]}
+                          if isinstance(obj, dict) else {}})
         return original(obj, f, *args, **kwargs)
 
     save.__wrapped__ = original
     torch.save = save
+
+
+def _entry_kind(value) -> str:
+    if isinstance(value, dict) and {"state", "param_groups"} <= set(value):
+        return "optimizer"
+    if isinstance(value, dict) and {"scale", "growth_factor"} <= set(value):
+        return "scaler"
+    if _is_state_dict(value):
+        return "state_dict"
+    return type(value).__name__
 
 
 def _patch_module_tracking(eval_with) -> None:
@@ -194,6 +217,7 @@ def _patch_module_tracking(eval_with) -> None:
 
     def train(self, mode=True):
         REC.see(self)
+        VERIFY.mode_change(self, mode, original_state_dict)
         if target_keys is not None and set(original_state_dict(self)) == target_keys:
             if not mode and id(self) not in saved:
                 saved[id(self)] = copy.deepcopy(original_state_dict(self))
@@ -399,6 +423,283 @@ def _describe_extras(out_dir: Path, rank: int) -> dict:
             "pickles": EXTRA.pickles, "forwards": forwards, "inputs": EXTRA.inputs}
 
 
+# ---------------------------------------------------------------- verify: steps, output, files, hangs
+
+MAX_LINES = 20000
+MAX_STEP_RECORDS = 2000
+GRAPH_SCAN_STEPS = 12      # steps whose live autograd graphs are measured (a leak shows in a few)
+GRAPH_NODE_LIMIT = 20000
+
+
+class Verify:
+    """What `gpumigrate verify` compares, recorded while SCRIPT runs (config in the environment
+    variable GPUMIGRATE_VERIFY, a JSON object; see gpumigrate/verify/shim.py for its keys):
+
+    * `steps`: one entry per optimizer step, in order: which optimizer, the values of the
+      scalar tensors `backward()` was called on since the step before (a GradScaler's scaled
+      loss divided by its scale), and (sum, sum of squares) of its parameters after the step;
+    * `windows`: an evaluation window opens when a module an optimizer trains is switched to
+      eval mode and closes at its `train()` or the next step; printed lines carry their
+      window's number, and at the first one the module's state_dict (DDP unwrapped) is saved
+      as OUT_DIR/rank{RANK}_eval.pt, so one process can evaluate the same weights;
+    * `retained`: per step (the first few), for each name in the script's frames that holds
+      tensors with an autograd graph (a tensor, or a list or dict of them), how many graph
+      nodes it keeps alive: a count that grows step after step is a graph kept across steps;
+    * `writes`: files opened for writing with open();
+    * a stall watchdog: in a process group, a rank that makes no progress (no forward, no
+      step, no batch) for `stall` seconds writes where it waits and exits with status 3.
+    """
+
+    def __init__(self) -> None:
+        self.config: dict = {}
+        self.active = False
+        self.steps_taken = 0
+        self.records: list = []
+        self.losses: list = []
+        self.scaled: dict = {}
+        self.window = None
+        self.windows = 0
+        self.retained: list = []
+        self.writes: list = []
+        self.progress = time.monotonic()
+        self.in_backward = False
+        self.script_dir = ""
+        self.out_dir: Optional[Path] = None
+        self.rank = 0
+        self.trained_ids: set = set()
+        self.trained_count = -1
+        self.backward_at: Optional[str] = None
+        self.scalers = 0
+
+    def trained(self, module) -> bool:
+        if self.trained_count != len(EXTRA.optimizers):
+            self.trained_count = len(EXTRA.optimizers)
+            self.trained_ids = {id(p) for e in EXTRA.optimizers for g in e["optimizer"].param_groups
+                                for p in g["params"]}
+        return any(id(p) in self.trained_ids for p in module.parameters())
+
+    def mode_change(self, module, mode, state_dict) -> None:
+        if not self.active:
+            return
+        if mode and self.window is not None:
+            self.window = None
+        elif not mode and self.window is None and self.trained(module):
+            self.window = self.windows
+            self.windows += 1
+            if self.window == 0 and self.out_dir is not None:
+                inner = runtime_dist.unwrap_model(module)
+                TORCH_SAVE({k: v.detach().cpu().clone() for k, v in state_dict(inner).items()},
+                           self.out_dir / f"rank{self.rank}_eval.pt")
+
+
+VERIFY = Verify()
+
+
+def _script_line(depth: int = 2) -> Optional[str]:
+    """file:line of the innermost frame of the script's own code (its folder) calling us."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(VERIFY.script_dir):
+            return f"{os.path.relpath(frame.f_code.co_filename, VERIFY.script_dir)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _record_loss(tensor) -> None:
+    if VERIFY.active and not VERIFY.in_backward and isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
+        value = float(tensor.detach().reshape(()).to("cpu", torch.float64))
+        scale = VERIFY.scaled.pop(id(tensor), None)
+        VERIFY.losses.append(value / scale if scale else value)
+        if VERIFY.backward_at is None:
+            VERIFY.backward_at = _script_line(3)
+
+
+def _patch_backward() -> None:
+    original_method, original_function = torch.Tensor.backward, torch.autograd.backward
+
+    def backward(self, *args, **kwargs):
+        _record_loss(self)
+        VERIFY.in_backward = True  # Tensor.backward calls torch.autograd.backward: count once
+        try:
+            return original_method(self, *args, **kwargs)
+        finally:
+            VERIFY.in_backward = False
+            VERIFY.progress = time.monotonic()
+
+    def autograd_backward(tensors, *args, **kwargs):
+        _record_loss(tensors if isinstance(tensors, torch.Tensor) else None)
+        return original_function(tensors, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+    torch.autograd.backward = autograd_backward
+    original_scale = torch.amp.GradScaler.scale
+
+    def scale(self, outputs):
+        scaled = original_scale(self, outputs)
+        if isinstance(scaled, torch.Tensor) and scaled is not outputs and self.is_enabled():
+            VERIFY.scaled[id(scaled)] = float(self.get_scale())
+        return scaled
+
+    torch.amp.GradScaler.scale = scale
+    original_init = torch.amp.GradScaler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        VERIFY.scalers += 1
+
+    torch.amp.GradScaler.__init__ = __init__
+
+
+def _graph_nodes(tensor, limit: int) -> int:
+    seen, todo = set(), [tensor.grad_fn]
+    while todo and len(seen) < limit:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        todo.extend(next_fn for next_fn, _ in getattr(fn, "next_functions", ()))
+    return len(seen)
+
+
+def _held_graph(value, limit: int) -> int:
+    """Autograd graph nodes `value` keeps alive (a tensor, or a list/tuple/dict of them)."""
+    if isinstance(value, torch.Tensor):
+        return _graph_nodes(value, limit) if value.grad_fn is not None else 0
+    if isinstance(value, dict):
+        value = list(value.values())[:1000]
+    if isinstance(value, (list, tuple)):
+        total = 0
+        for item in value[-1000:]:
+            if isinstance(item, torch.Tensor) and item.grad_fn is not None:
+                total += 1 + _graph_nodes(item, 50)
+            elif isinstance(item, (list, tuple)) and item and isinstance(item[-1], torch.Tensor):
+                total += sum(1 for t in item[-100:] if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+        return total
+    return 0
+
+
+def _scan_graphs() -> None:
+    """The names in the script's own frames that hold autograd graphs after this step."""
+    held: dict = {}
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(VERIFY.script_dir):
+            names = frame.f_globals if frame.f_code.co_name == "<module>" else frame.f_locals
+            for name, value in list(names.items()):
+                if isinstance(value, nn.Module) or name.startswith("__"):
+                    continue
+                nodes = _held_graph(value, GRAPH_NODE_LIMIT)
+                if nodes:
+                    key = f"{os.path.basename(filename)}:{frame.f_code.co_name}:{name}"
+                    held[key] = [nodes, frame.f_lineno]
+        frame = frame.f_back
+    VERIFY.retained.append(held)
+
+
+def _patch_verify_steps() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def after_step(optimizer, args, kwargs):
+        VERIFY.steps_taken += 1
+        VERIFY.window = None
+        VERIFY.progress = time.monotonic()
+        if len(VERIFY.records) < MAX_STEP_RECORDS:
+            index = next((i for i, e in enumerate(EXTRA.optimizers) if e["optimizer"] is optimizer), None)
+            vector = _optimizer_vector(optimizer)
+            VERIFY.records.append({"optimizer": index, "losses": VERIFY.losses,
+                                   "params": [float(vector.sum()), float(vector.square().sum())],
+                                   "backward_at": VERIFY.backward_at, "step_at": _script_line(2)})
+        VERIFY.losses, VERIFY.backward_at = [], None
+        if len(VERIFY.retained) < GRAPH_SCAN_STEPS:
+            _scan_graphs()
+
+    register_optimizer_step_post_hook(after_step)
+
+    def progress(*args):
+        VERIFY.progress = time.monotonic()
+
+    torch.nn.modules.module.register_module_forward_pre_hook(progress)
+
+
+def _patch_writes() -> None:
+    import builtins
+    original_open = builtins.open
+
+    scratch = VERIFY.config.get("scratch")
+
+    def open_(file, mode="r", *args, **kwargs):
+        if VERIFY.active and isinstance(mode, str) and any(c in mode for c in "wax+") \
+                and isinstance(file, (str, bytes, os.PathLike)):
+            path = os.path.abspath(os.fsdecode(file))
+            if len(VERIFY.writes) < 1000:
+                VERIFY.writes.append(path)
+            if scratch:
+                _keep_inside(path, scratch)
+        return original_open(file, mode, *args, **kwargs)
+
+    open_.__wrapped__ = original_open
+    builtins.open = open_
+
+
+def _keep_inside(path: str, scratch: str) -> None:
+    """A verify run writes only inside its scratch folder: a large file of the user's that the
+    copy links to is copied before it is written (copy on write); anything else is refused."""
+    import shutil
+    if os.path.islink(path) and os.path.realpath(path) != path and \
+            os.path.abspath(os.path.dirname(path)).startswith(scratch):
+        target = os.path.realpath(path)
+        os.unlink(path)
+        if os.path.exists(target):
+            shutil.copyfile(target, path)
+    real = os.path.realpath(path)
+    if not (real.startswith(scratch) or real.startswith(os.path.realpath(scratch)) or real.startswith("/dev/")):
+        raise PermissionError(f"gpumigrate verify: the script writes {path}, outside its scratch copy "
+                              f"(verify never writes the user's files: give it a relative path)")
+
+
+def _watch_for_stalls(seconds: float, finish) -> None:
+    """In a process group: a rank that makes no progress for `seconds` is stuck in a collective
+    the other ranks do not call (or in one a finished rank never joins): say where, and exit."""
+    import faulthandler
+    import threading
+    import torch.distributed as dist
+
+    def watch():
+        while True:
+            time.sleep(min(1.0, seconds / 4))
+            if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                VERIFY.progress = time.monotonic()
+                continue
+            if time.monotonic() - VERIFY.progress > seconds:
+                path = VERIFY.out_dir / f"rank{VERIFY.rank}_stall.txt"
+                with path.open("w") as f:
+                    faulthandler.dump_traceback(file=f, all_threads=True)
+                stack = path.read_text()
+                finish({"type": "Stall", "message": f"no progress for {seconds:g} s (waiting in a collective?)",
+                        "traceback": stack}, 3)
+                os._exit(3)
+
+    threading.Thread(target=watch, name="verify-stall-watch", daemon=True).start()
+
+
+def _describe_verify() -> dict:
+    return {"steps": VERIFY.records, "retained": VERIFY.retained, "writes": VERIFY.writes,
+            "windows": VERIFY.windows, "pending_losses": VERIFY.losses, "scalers": VERIFY.scalers}
+
+
+def _install_verify(out_dir: Path, rank: int, script: str) -> None:
+    from gpumigrate.verify import shim
+    VERIFY.config = json.loads(os.environ.get("GPUMIGRATE_VERIFY") or "{}")
+    VERIFY.out_dir, VERIFY.rank = out_dir, rank
+    VERIFY.script_dir = os.path.dirname(script) + os.sep
+    shim.install(VERIFY.config)
+    _patch_backward()
+    _patch_verify_steps()
+    _patch_writes()
+    VERIFY.active = True
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def _is_state_dict(obj) -> bool:
@@ -425,7 +726,7 @@ def _load(path):
 def _first_state_dict(path):
     found = _state_dicts(_load(path))
     if not found:
-        raise SystemExit(f"ddp_probe: no state_dict in {path}")
+        raise SystemExit(f"probe: no state_dict in {path}")
     return next(iter(found.values()))
 
 
@@ -510,15 +811,18 @@ def main(argv) -> None:
     out_dir, script, args = Path(argv[0]), os.path.abspath(argv[1]), argv[2:]
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", 0))
+    verify = "GPUMIGRATE_VERIFY" in os.environ
 
     _patch_wrap_model()
     _patch_iter(DistributedSampler, "DistributedSampler")
     _patch_iter(RandomSampler, "RandomSampler")
     _patch_iter(runtime_dist._Shard, "_Shard")
     _patch_save()
-    if load or eval_with:  # only for the reference run: keeps the runs under test as plain as possible
+    if load or eval_with or verify:  # only where needed: keeps the runs under test as plain as possible
         _patch_module_tracking(eval_with)
     _patch_extras()
+    if verify:
+        _install_verify(out_dir, rank, script)
 
     # As `python SCRIPT` would: argv, and the script's own directory first on sys.path.
     sys.argv = [script, *args]
@@ -526,9 +830,55 @@ def main(argv) -> None:
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
     tee = sys.stdout = Tee(sys.stdout)
+    start = time.perf_counter()
+    written = []
+
+    def finish(error, exit_code) -> None:
+        """Write OUT_DIR/rank{RANK}.json (once: also from the stall watchdog's thread)."""
+        if written:
+            return
+        written.append(True)
+        report = {
+            "rank": rank,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+            "process_group_world_size": runtime_dist.get_world_size(),
+            "script": script,
+            "argv": args,
+            "seconds": round(time.perf_counter() - start, 3),
+            "error": error,
+            "exit_code": exit_code,
+            "stdout": "".join(tee.parts),
+            "samplers": REC.iterations,
+            "wrap_calls": REC.wrap_calls,
+            "saves": REC.saves,
+        }
+        if verify:
+            VERIFY.active = False
+            report.update(_describe_verify(), lines=tee.lines + ([[VERIFY.steps_taken, VERIFY.window, tee._partial, None]]
+                                                                 if tee._partial else []))
+        try:
+            report.update(_describe_extras(out_dir, rank))
+        except Exception as exc:  # the report must be written whatever happens here
+            report["extras_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            report["models"] = _describe_models(out_dir, rank)
+        except Exception as exc:
+            report["models"] = []
+            report["models_error"] = f"{type(exc).__name__}: {exc}"
+        if load:
+            report["loads"] = _load_into_modules(load)
+        if eval_with:
+            report["eval_swaps"] = REC.eval_swaps
+        path = out_dir / f"rank{rank}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
+
+    if verify and VERIFY.config.get("stall"):
+        _watch_for_stalls(float(VERIFY.config["stall"]), finish)
 
     error, exit_code, pending = None, 0, None
-    start = time.perf_counter()
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
@@ -539,42 +889,9 @@ def main(argv) -> None:
     except BaseException as exc:  # recorded, then re-raised below
         error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
         exit_code, pending = 1, exc
-    seconds = time.perf_counter() - start
     sys.stdout = tee.stream
     tee.stream.flush()
-
-    report = {
-        "rank": rank,
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        "world_size": int(os.environ.get("WORLD_SIZE", 1)),
-        "process_group_world_size": runtime_dist.get_world_size(),
-        "script": script,
-        "argv": args,
-        "seconds": round(seconds, 3),
-        "error": error,
-        "exit_code": exit_code,
-        "stdout": "".join(tee.parts),
-        "samplers": REC.iterations,
-        "wrap_calls": REC.wrap_calls,
-        "saves": REC.saves,
-    }
-    try:
-        report.update(_describe_extras(out_dir, rank))
-    except Exception as exc:  # the report must be written whatever happens here
-        report["extras_error"] = f"{type(exc).__name__}: {exc}"
-    try:
-        report["models"] = _describe_models(out_dir, rank)
-    except Exception as exc:
-        report["models"] = []
-        report["models_error"] = f"{type(exc).__name__}: {exc}"
-    if load:
-        report["loads"] = _load_into_modules(load)
-    if eval_with:
-        report["eval_swaps"] = REC.eval_swaps
-    path = out_dir / f"rank{rank}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, path)
+    finish(error, exit_code)
     if pending is not None:
         raise pending
 

@@ -1,0 +1,575 @@
+"""The comparisons of a verify session, each a `Check` that names the quantity it measured.
+
+Tolerances: losses and parameters as `torch.testing.assert_close` for float32 (rtol 1.3e-6,
+atol 1e-5); printed numbers to one unit of their last printed digit (plus 1e-5 relative);
+parameters across ranks 1e-6 relative; a bfloat16 run's first losses within 3.2e-2
+relative of the float32 run's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from gpumigrate.verify.runner import Probed, Session
+
+RTOL, ATOL = 1.3e-6, 1e-5
+RANK_RTOL = 1e-6
+BF16_RTOL, BF16_STEPS = 3.2e-2, 3
+NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?(?![\w.])|\bnan\b|\binf\b")
+# a number whose neighbourhood says it measures time, speed or a date: it differs from run to run
+VOLATILE = re.compile(r"time|sec|\bs\b|ms|elapsed|eta|speed|/s\b|s/|throughput|fps|took|date|clock|"
+                      r"\d:\d\d|\d{4}-\d\d|mb\b|gb\b|memory|mem\b", re.I)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str                      # pass | fail | skip
+    detail: str
+    line: Optional[str] = None       # file:line of the migrated script where the quantity is computed
+    values: Dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "line": self.line,
+                "values": self.values}
+
+
+@dataclass
+class Verdict:
+    script: str
+    target: str
+    status: str                      # equivalent | different | unknown
+    reason: str
+    checks: List[Check] = field(default_factory=list)
+    runs: Dict[str, dict] = field(default_factory=dict)
+    seconds: float = 0.0
+    migration_report: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return {"equivalent": 0, "different": 1}.get(self.status, 2)
+
+    def as_json(self) -> dict:
+        return {"script": self.script, "target": self.target, "verdict": self.status, "exit_code": self.exit_code,
+                "reason": self.reason, "seconds": round(self.seconds, 2), "checks": [c.as_json() for c in self.checks],
+                "runs": self.runs}
+
+
+# ---------------------------------------------------------------- the session
+
+def judge(session: "Session", targets: List[str]) -> Verdict:
+    opts = session.opts
+    script = str(opts.script)
+    verdict = Verdict(script, ",".join(targets), "unknown", "", migration_report=session.migration_report)
+    amp = "amp" in targets
+    base = session.run("original", original=True)
+    verdict.runs["original"] = base.summary()
+    if not base.ok:
+        verdict.reason = _cannot_judge(base, opts)
+        return verdict
+    single = session.run("migrated", original=False, env={"GPUMIGRATE_AMP": "off"} if amp else None)
+    verdict.runs["migrated"] = single.summary()
+    checks = verdict.checks
+    checks += same_run(base, single, "migrated, one process" + (", GPUMIGRATE_AMP=off" if amp else ""))
+    checks.append(retained_graphs(single, base))
+    if "ddp" in targets:
+        dist = session.run("torchrun", original=False, nproc=opts.nproc)
+        verdict.runs["torchrun"] = dist.summary()
+        checks += ddp_checks(session, base, dist)
+    if amp:
+        bf16 = session.run("bf16", original=False, env={"GPUMIGRATE_AMP": "bf16"})
+        verdict.runs["bf16"] = bf16.summary()
+        checks.append(bf16_band(base, bf16))
+        checks.append(scaler_state([single, *([session.runs["torchrun"]] if "torchrun" in session.runs else [])]))
+    failed = [c for c in checks if c.status == "fail"]
+    timed_out = [r for r in session.runs.values() if r.returncode is None and not _stalled(r)]
+    if failed:
+        verdict.status = "different"
+        first = failed[0]
+        verdict.reason = f"{first.name}: {first.detail}" + (f" ({first.line})" if first.line else "")
+    elif timed_out:
+        verdict.reason = f"the {timed_out[0].name} run {timed_out[0].error()}: raise --timeout"
+    else:
+        verdict.status = "equivalent"
+        verdict.reason = f"{sum(c.status == 'pass' for c in checks)} checks pass"
+    return verdict
+
+
+def _cannot_judge(base: "Probed", opts: Any) -> str:
+    error = base.error() or "no report"
+    text = f"the original fails on its own: {error}"
+    err = (base.rank(0).get("error") or {})
+    if err.get("type") in ("FileNotFoundError", "NotADirectoryError") or "No such file" in str(err.get("message")):
+        hint = ("it reads files that are not there; pass their paths as script arguments after `--`"
+                if opts.data == "real" else
+                "it reads data verify cannot fake; run with `--data real` where the files are in place, "
+                "or pass their paths as script arguments after `--`")
+        text += f" ({hint})"
+    elif err.get("type") in ("ModuleNotFoundError", "ImportError"):
+        text += " (install what it imports in this environment)"
+    elif base.returncode is None:
+        text += " (raise --timeout)"
+    return text
+
+
+def _stalled(run: "Probed") -> bool:
+    return any((rep.get("error") or {}).get("type") == "Stall" for rep in run.ranks.values())
+
+
+# ---------------------------------------------------------------- one process against the original
+
+def same_run(base: "Probed", other: "Probed", label: str) -> List[Check]:
+    """The migrated script in one process does what the original does."""
+    if not other.ok:
+        where = _error_where(other)
+        return [Check("run", "fail", f"{label}: {other.error()}", where)]
+    checks = [Check("run", "pass", f"{label}: exits like the original ({other.seconds:.1f} s)")]
+    a, b = base.rank(0).get("steps") or [], other.rank(0).get("steps") or []
+    if len(a) != len(b):
+        last = (b or a)[-1]
+        checks.append(Check("optimizer steps", "fail", f"the original takes {len(a)} optimizer steps, the migrated "
+                            f"script {len(b)}", last.get("step_at"), {"original": len(a), "migrated": len(b)}))
+    else:
+        checks.append(Check("optimizer steps", "pass", f"{len(a)} steps, the same optimizers in the same order"
+                            if [s["optimizer"] for s in a] == [s["optimizer"] for s in b] else f"{len(a)} steps"))
+    checks.append(_losses(a, b))
+    checks.append(_parameters(base, other))
+    checks.append(_printed(base, other))
+    return checks
+
+
+def _error_where(run: "Probed") -> Optional[str]:
+    for rep in run.ranks.values():
+        err = rep.get("error")
+        if err:
+            return run.where(err.get("traceback", ""))
+    return None
+
+
+def _close(a: float, b: float, rtol: float = RTOL, atol: float = ATOL) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= atol + rtol * abs(b)
+
+
+def _losses(a: List[dict], b: List[dict]) -> Check:
+    compared, worst = 0, 0.0
+    for step, (x, y) in enumerate(zip(a, b), 1):
+        if len(x["losses"]) != len(y["losses"]):
+            return Check("loss", "fail", f"step {step}: the original calls backward() {len(x['losses'])} times, the "
+                         f"migrated script {len(y['losses'])} times", y.get("backward_at") or y.get("step_at"))
+        for i, (u, v) in enumerate(zip(x["losses"], y["losses"])):
+            compared += 1
+            if not _close(v, u):
+                which = f" (backward {i + 1})" if len(x["losses"]) > 1 else ""
+                return Check("loss", "fail", f"step {step}{which}: loss {v:.8g}, the original's {u:.8g}",
+                             y.get("backward_at"), {"step": step, "original": u, "migrated": v})
+            worst = max(worst, abs(u - v))
+    if not compared:
+        return Check("loss", "skip", "no scalar loss reached backward()")
+    return Check("loss", "pass", f"{compared} losses over {min(len(a), len(b))} steps, max |diff| {worst:.3g}",
+                 values={"max_abs_diff": worst})
+
+
+def _vectors(run: "Probed", rank: int = 0) -> List[Any]:
+    import torch
+    return [torch.load(run.out / o["vector"]) for o in run.rank(rank).get("optimizers") or []]
+
+
+def _parameters(base: "Probed", other: "Probed") -> Check:
+    va, vb = _vectors(base), _vectors(other)
+    if not va:
+        return Check("parameters", "skip", "the original builds no optimizer")
+    if len(va) != len(vb):
+        return Check("parameters", "fail", f"the original builds {len(va)} optimizers, the migrated script {len(vb)}")
+    worst = 0.0
+    for i, (x, y) in enumerate(zip(va, vb)):
+        if x.shape != y.shape:
+            return Check("parameters", "fail", f"optimizer {i} trains {y.numel()} parameters, the original's "
+                         f"{x.numel()}")
+        if x.numel():
+            diff = (x - y).abs()
+            bad = diff > ATOL + RTOL * x.abs()
+            if bool(bad.any()):
+                return Check("parameters", "fail", f"after the last step, optimizer {i}'s parameters differ from the "
+                             f"original's by up to {float(diff.max()):.3g} ({int(bad.sum())} of {x.numel()})",
+                             values={"optimizer": i, "max_abs_diff": float(diff.max())})
+            worst = max(worst, float(diff.max()))
+    return Check("parameters", "pass", f"{len(va)} optimizer(s), {sum(v.numel() for v in va)} parameters, max |diff| "
+                 f"{worst:.3g}", values={"max_abs_diff": worst})
+
+
+def _normalise(text: str, run: "Probed") -> str:
+    for path in (str(run.work), str(run.work.parent / f"{run.work.name}-tmp"), str(run.script.parent)):
+        text = text.replace(path, "<run>")
+    text = re.sub(r"/tmp\S*?/tmp\w+", "<tmp>", text)
+    return re.sub(r"0x[0-9a-fA-F]{6,}", "<addr>", text)
+
+
+def _numbers(line: str) -> List[Tuple[str, bool]]:
+    """The numbers of a line, each with whether it is volatile (a time, a speed, a date)."""
+    out = []
+    for m in NUMBER.finditer(line):
+        around = line[max(0, m.start() - 14):m.end() + 8]
+        out.append((m.group(0), bool(VOLATILE.search(around))))
+    return out
+
+
+def _same_number(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return False
+    digits = max(len(s.split(".")[1]) if "." in s and "e" not in s.lower() else 0 for s in (a, b))
+    return _close(x, y, rtol=1e-5, atol=1.01 * 10 ** -digits if digits else 0.0)
+
+
+def _printed(base: "Probed", other: "Probed") -> Check:
+    la = [(_normalise(ln[2], base), ln[3]) for ln in base.rank(0).get("lines") or []]
+    lb = [(_normalise(ln[2], other), ln[3]) for ln in other.rank(0).get("lines") or []]
+    diff = compare_lines([t for t, _ in la], [t for t, _ in lb])
+    if diff is None:
+        return Check("printed output", "pass", f"{len(lb)} lines, the same text and numbers")
+    index, why = diff
+    at = lb[index][1] if index < len(lb) else None
+    return Check("printed output", "fail", why, at, {"line": index + 1})
+
+
+def compare_lines(a: Sequence[str], b: Sequence[str]) -> Optional[Tuple[int, str]]:
+    """(index, why) of the first line of `b` that does not match `a`, or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        why = _line_differs(x, y)
+        if why:
+            return i, f"printed line {i + 1}: {why}"
+    if len(a) != len(b):
+        i = min(len(a), len(b))
+        extra = (b if len(b) > len(a) else a)[i]
+        who = "the migrated script prints" if len(b) > len(a) else "the original prints"
+        return min(i, max(len(b) - 1, 0)), f"{who} {abs(len(a) - len(b))} more lines ({extra.strip()[:80]!r})"
+    return None
+
+
+def _line_differs(x: str, y: str) -> Optional[str]:
+    if NUMBER.sub("#", x) != NUMBER.sub("#", y):
+        return f"{y.strip()[:100]!r}, the original printed {x.strip()[:100]!r}"
+    for (u, vol), (v, _) in zip(_numbers(x), _numbers(y)):
+        if not vol and not _same_number(u, v):
+            return f"{v} where the original printed {u} ({y.strip()[:100]!r})"
+    return None
+
+
+# ---------------------------------------------------------------- graphs kept across steps
+
+def retained_graphs(run: "Probed", base: "Probed") -> Check:
+    """A name whose autograd graph grows at every step for 3 steps keeps every step's graph
+    (`total += loss` without `.item()`): memory grows until it runs out."""
+    scans = run.rank(0).get("retained") or []
+    if len(scans) < 4:
+        return Check("retained graphs", "skip", f"{len(scans)} steps measured (4 needed)")
+    growing = _growing(scans)
+    if not growing:
+        return Check("retained graphs", "pass", f"no name holds a graph that grows over {len(scans)} steps")
+    key, (nodes, line) = growing[0]
+    _, function, name = key.split(":", 2)
+    also = " (as in the original)" if key in dict(_growing(base.rank(0).get("retained") or [])) else ""
+    file = key.split(":", 1)[0]
+    return Check("retained graphs", "fail", f"`{name}` in {function}() keeps the autograd graph of every step "
+                 f"({nodes} nodes after {len(scans)} steps){also}: accumulate `.item()`", f"{file}:{line}",
+                 {"name": name, "nodes": nodes})
+
+
+def _growing(scans: List[dict]) -> List[Tuple[str, list]]:
+    found = []
+    for key in scans[-1]:
+        series = [scan.get(key, [0])[0] for scan in scans]
+        tail = series[-4:]
+        if all(later > earlier for earlier, later in zip(tail, tail[1:])):
+            found.append((key, scans[-1][key]))
+    return found
+
+
+# ---------------------------------------------------------------- ddp
+
+def ddp_checks(session: "Session", base: "Probed", dist: "Probed") -> List[Check]:
+    n = dist.nproc
+    if _stalled(dist):
+        return [_hang(dist)]
+    if not dist.ok:
+        return [Check("run under torchrun", "fail", dist.error() or "failed", _error_where(dist))]
+    checks = [Check("run under torchrun", "pass", f"{n} ranks exit 0 ({dist.seconds:.1f} s)")]
+    world = [rep.get("process_group_world_size") for _, rep in sorted(dist.ranks.items())]
+    if any(w != n for w in world):
+        checks.append(Check("process group", "fail", f"the ranks joined process groups of {world} processes, not {n}"))
+    checks.append(_rank_parameters(dist))
+    checks.append(_samples(dist, base))
+    checks.append(_epoch_order(dist))
+    checks.append(_rank0_output(dist))
+    checks.append(_rank0_files(dist))
+    ref = _reference(session, dist)
+    checks.append(_metrics(dist, ref, base))
+    checks.append(_checkpoints(dist, ref))
+    return checks
+
+
+def _hang(dist: "Probed") -> Check:
+    parts, line = [], None
+    for rank, rep in sorted(dist.ranks.items()):
+        err = rep.get("error") or {}
+        if err.get("type") == "Stall":
+            where = _stall_where(err.get("traceback", ""), dist)
+            parts.append(f"rank {rank} waits at {where or 'a line outside the script'}")
+            line = line or where
+        elif err:
+            parts.append(f"rank {rank} failed: {err['type']}")
+        else:
+            parts.append(f"rank {rank} finished")
+    missing = sorted(set(range(dist.nproc)) - set(dist.ranks))
+    parts += [f"rank {r} left no report" for r in missing]
+    return Check("collectives", "fail", "the ranks do not call the same collectives: " + "; ".join(parts), line)
+
+
+def _stall_where(dump: str, run: "Probed") -> Optional[str]:
+    """The script's innermost line in the main thread's stack of a faulthandler dump."""
+    root = str(run.script.parent) + os.sep
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
+        if "Current thread" in block.splitlines()[0] if block.strip() else False:
+            continue  # the watchdog's own thread
+        for path, line in re.findall(r'File "([^"]+)", line (\d+)', block):
+            if path.startswith(root):
+                return f"{os.path.relpath(path, root)}:{line}"  # faulthandler lists the innermost first
+    return None
+
+
+def _rank_parameters(dist: "Probed") -> Check:
+    ranks = [rep.get("steps") or [] for _, rep in sorted(dist.ranks.items())]
+    counts = [len(s) for s in ranks]
+    if not counts[0]:
+        return Check("parameters across ranks", "fail", "no optimizer step under torchrun")
+    if len(set(counts)) > 1:
+        return Check("parameters across ranks", "fail", f"the ranks take {counts} optimizer steps: uneven data "
+                     f"leaves a rank waiting in a collective the others never call")
+    for step, records in enumerate(zip(*ranks), 1):
+        first = records[0]["params"]
+        for rank, rec in enumerate(records[1:], 1):
+            if not all(_close(x, y, rtol=RANK_RTOL, atol=RANK_RTOL) for x, y in zip(first, rec["params"])):
+                return Check("parameters across ranks", "fail", f"after step {step}, rank {rank}'s parameters differ "
+                             f"from rank 0's (sum {rec['params'][0]:.9g} vs {first[0]:.9g}): the gradients are not "
+                             f"averaged across ranks", records[0].get("step_at"), {"step": step})
+    finals = [_vectors(dist, r) for r in range(dist.nproc)]
+    for i, vec in enumerate(finals[0]):
+        for rank in range(1, dist.nproc):
+            other = finals[rank][i] if i < len(finals[rank]) else None
+            if other is None or other.shape != vec.shape or (vec.numel() and float((other - vec).abs().max()) > 1e-6):
+                return Check("parameters across ranks", "fail", f"at the end, optimizer {i}'s parameters on rank {rank} "
+                             f"differ from rank 0's")
+    return Check("parameters across ranks", "pass", f"identical on {dist.nproc} ranks after each of {counts[0]} steps")
+
+
+def _training_sampler(rep: dict) -> Optional[dict]:
+    first = [s for s in rep.get("samplers") or [] if s.get("call") == 0]
+    if not first:
+        return None
+    return max(first, key=lambda s: (s.get("steps", 0), len(s.get("indices") or [])))
+
+
+def _samples(dist: "Probed", base: "Probed") -> Check:
+    n = dist.nproc
+    reps = [rep for _, rep in sorted(dist.ranks.items())]
+    main = _training_sampler(reps[0])
+    if main is None or not main.get("steps"):
+        inputs = [rep.get("inputs") or [] for rep in reps]
+        pairs = list(zip(*inputs))
+        differ = sum(len(set(p)) == len(p) for p in pairs)
+        if pairs and differ >= 0.9 * len(pairs):
+            return Check("samples per rank", "pass", f"no sampler; each rank trains on batches of its own ({differ} of "
+                         f"{len(pairs)} steps)")
+        if not pairs:
+            return Check("samples per rank", "skip", "no training batch seen")
+        return Check("samples per rank", "fail", f"every rank trains on the same batches ({len(pairs) - differ} of "
+                     f"{len(pairs)} steps): nothing splits the data, each rank trains on all of it")
+    kind, total, length = main["kind"], main.get("dataset_len"), main.get("length")
+    replicas = main.get("num_replicas") or main.get("step") or 1
+    if kind not in ("DistributedSampler", "_Shard") or replicas != n:
+        return Check("samples per rank", "fail", f"the training loader's {kind} gives rank 0 {length} of {total} samples "
+                     f"per epoch: every rank trains on the whole dataset", values={"kind": kind, "length": length})
+    others = [next((s for s in rep.get("samplers") or [] if s["sampler"] == main["sampler"] and s["call"] == 0), None)
+              for rep in reps[1:]]
+    if any(o is None for o in others):
+        return Check("samples per rank", "fail", "the ranks do not build the same training sampler")
+    drawn = [set(main["indices"])] + [set(o["indices"]) for o in others]
+    overlap = sum(len(drawn[0] & d) for d in drawn[1:])
+    if overlap > max(1, n):
+        return Check("samples per rank", "fail", f"ranks 0 and 1 draw {overlap} of the same samples in the first epoch "
+                     f"(a shard per rank draws disjoint ones)")
+    expected = math.ceil(total / n) if total else None
+    if expected and length and length > expected:
+        return Check("samples per rank", "fail", f"rank 0 draws {length} of {total} samples per epoch, more than "
+                     f"1/{n}")
+    return Check("samples per rank", "pass", f"{kind}: each rank draws {length} of {total} samples per epoch, "
+                 f"disjoint", values={"length": length, "dataset": total})
+
+
+def _epoch_order(dist: "Probed") -> Check:
+    rep = dist.rank(0)
+    main = _training_sampler(rep)
+    if main is None or main["kind"] != "DistributedSampler":
+        return Check("epoch order", "skip", "no DistributedSampler trains")
+    if not main.get("shuffle"):
+        return Check("epoch order", "skip", "the training sampler does not shuffle")
+    passes = [s for s in rep.get("samplers") or [] if s["sampler"] == main["sampler"]]
+    if len(passes) < 2:
+        return Check("epoch order", "skip", "one epoch within --steps (raise --steps to see a second)")
+    for prev, cur in zip(passes, passes[1:]):
+        common = min(len(prev["indices"]), len(cur["indices"]))
+        if common >= 2 and prev["indices"][:common] == cur["indices"][:common]:
+            return Check("epoch order", "fail", f"epoch {cur['call'] + 1} draws the samples of epoch {prev['call'] + 1} "
+                         f"in the same order (sampler epoch {cur.get('epoch')}): `set_epoch` is not called")
+    return Check("epoch order", "pass", f"a new order in each of {len(passes)} epochs")
+
+
+def _rank0_output(dist: "Probed") -> Check:
+    for rank, rep in sorted(dist.ranks.items()):
+        lines = [ln for ln in rep.get("lines") or [] if ln[2].strip()]
+        if rank and lines:
+            return Check("output on rank 0 only", "fail", f"rank {rank} printed {len(lines)} lines too "
+                         f"(first: {lines[0][2].strip()[:80]!r})", lines[0][3])
+    return Check("output on rank 0 only", "pass", "only rank 0 prints")
+
+
+def _rank0_files(dist: "Probed") -> Check:
+    for rank, rep in sorted(dist.ranks.items()):
+        if not rank:
+            continue
+        tmp = str(dist.work.parent / f"{dist.work.name}-tmp")
+        paths = [s["path"] for s in rep.get("saves") or []] + list(rep.get("writes") or [])
+        shared = [p for p in paths if not p.startswith(tmp)]
+        if shared:
+            rel = os.path.relpath(shared[0], dist.script.parent)
+            return Check("files on rank 0 only", "fail", f"rank {rank} writes {rel} too ({len(set(shared))} files)")
+    return Check("files on rank 0 only", "pass", "only rank 0 writes files (temporary ones aside)")
+
+
+def _reference(session: "Session", dist: "Probed") -> Optional["Probed"]:
+    """The original in one process, evaluating the weights rank 0 evaluated first, and
+    loading the checkpoints rank 0 wrote."""
+    args: List[str] = []
+    for save in dist.rank(0).get("saves") or []:
+        if save["state_dicts"] and os.path.exists(save["path"]) and "--probe-load" not in args[-2:] + [save["path"]]:
+            args += ["--probe-load", save["path"]]
+    snapshot = dist.out / "rank0_eval.pt"
+    if snapshot.exists():
+        args += ["--probe-eval-with", str(snapshot)]
+    if not args:
+        return None
+    return session.run("reference", original=True, probe_args=args)
+
+
+def _window(run: "Probed", index: int = 0) -> List[list]:
+    return [ln for ln in run.rank(0).get("lines") or [] if ln[1] == index]
+
+
+def _metrics(dist: "Probed", ref: Optional["Probed"], base: "Probed") -> Check:
+    name = "evaluation metrics"
+    ours = [ln for ln in _window(dist) if ln[2].strip()]
+    if not dist.rank(0).get("windows"):
+        return Check(name, "skip", "no evaluation (a trained model in eval mode) within --steps")
+    if not ours:
+        return Check(name, "skip", "nothing printed during the first evaluation")
+    if ref is None or not ref.ok:
+        return Check(name, "skip", "the original could not evaluate the same weights: " +
+                     (ref.error() or "" if ref else "no weights"))
+    if not ref.rank(0).get("eval_swaps"):
+        return Check(name, "skip", "the original's model has other keys than the evaluated one")
+    theirs = [ln for ln in _window(ref) if ln[2].strip()]
+    plain = [ln for ln in _window(base) if ln[2].strip()]
+    a = [_normalise(ln[2], ref) for ln in theirs]
+    b = [_normalise(ln[2], dist) for ln in ours]
+    c = [_normalise(ln[2], base) for ln in plain]
+    if len(a) != len(b) or any(NUMBER.sub("#", x) != NUMBER.sub("#", y) for x, y in zip(a, b)):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if NUMBER.sub("#", x) != NUMBER.sub("#", y)), min(len(a), len(b)))
+        shown = b[i] if i < len(b) else "(nothing)"
+        return Check(name, "fail", f"the first evaluation prints {shown.strip()[:100]!r} where one process prints "
+                     f"{(a[i] if i < len(a) else '(nothing)').strip()[:100]!r}", ours[min(i, len(ours) - 1)][3])
+    compared = 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        plain_numbers = _numbers(c[i]) if i < len(c) and NUMBER.sub("#", c[i]) == NUMBER.sub("#", x) else None
+        for j, ((u, vol), (v, _)) in enumerate(zip(_numbers(x), _numbers(y))):
+            # a number that the evaluated weights do not change (an epoch, a training loss) is not a metric
+            if vol or (plain_numbers is not None and plain_numbers[j][0] == u):
+                continue
+            compared += 1
+            if not _same_number(u, v):
+                return Check(name, "fail", f"the first evaluation prints {v} where one process evaluating the same "
+                             f"weights prints {u} ({y.strip()[:100]!r}): a metric not reduced across ranks?",
+                             ours[i][3], {"ddp": v, "one_process": u})
+    if not compared:
+        return Check(name, "skip", "no printed number depends on the evaluated weights")
+    return Check(name, "pass", f"{compared} numbers of the first evaluation equal one process's on the same weights")
+
+
+def _checkpoints(dist: "Probed", ref: Optional["Probed"]) -> Check:
+    name = "checkpoints"
+    saves = [s for s in dist.rank(0).get("saves") or [] if s["state_dicts"]]
+    if not saves:
+        return Check(name, "skip", "rank 0 saves no weights")
+    prefixed = [(s, k) for s in saves for k, keys in s["state_dicts"].items() if any(x.startswith("module.") for x in keys)]
+    if prefixed:
+        save, entry = prefixed[0]
+        return Check(name, "fail", f"{os.path.basename(save['path'])}[{entry!r}] keeps DDP's 'module.' prefix: it does "
+                     f"not load into the original model")
+    if ref is None or not ref.ok:
+        return Check(name, "skip", "the original could not load them: " + ((ref.error() or "") if ref else ""))
+    loads = ref.rank(0).get("loads") or []
+    bad = [ld for ld in loads if not ld["loaded_into"]]
+    if bad:
+        ld = bad[0]
+        return Check(name, "fail", f"{os.path.basename(ld['file'])}[{ld['entry']!r}] does not load into the original's "
+                     f"model: {ld['error']}")
+    return Check(name, "pass", f"{len(loads)} state_dict(s) rank 0 saved load into the original's model (strict)")
+
+
+# ---------------------------------------------------------------- amp
+
+def bf16_band(base: "Probed", bf16: "Probed") -> Check:
+    name = "bfloat16 losses"
+    if not bf16.ok:
+        return Check(name, "fail", f"GPUMIGRATE_AMP=bf16: {bf16.error()}", _error_where(bf16))
+    losses = [(s["losses"], s.get("backward_at")) for s in bf16.rank(0).get("steps") or []]
+    for step, (values, at) in enumerate(losses, 1):
+        if not all(math.isfinite(v) for v in values):
+            return Check(name, "fail", f"step {step}: loss {values} in bfloat16", at)
+    reference = [s["losses"] for s in base.rank(0).get("steps") or []]
+    for step, ((values, at), ref) in enumerate(zip(losses[:BF16_STEPS], reference), 1):
+        for u, v in zip(ref, values):
+            if not _close(v, u, rtol=BF16_RTOL, atol=ATOL):
+                return Check(name, "fail", f"step {step}: loss {v:.6g} in bfloat16, {u:.6g} in float32 (beyond "
+                             f"{BF16_RTOL:g} relative)", at)
+    if not losses:
+        return Check(name, "skip", "no step in bfloat16")
+    return Check(name, "pass", f"finite for {len(losses)} steps; the first {min(BF16_STEPS, len(losses))} within "
+                 f"{BF16_RTOL:g} of float32")
+
+
+def scaler_state(runs: Iterable["Probed"]) -> Check:
+    name = "scaler state"
+    for run in runs:
+        rep = run.rank(0)
+        if not rep.get("scalers"):
+            continue
+        for save in rep.get("saves") or []:
+            entries = save.get("entries") or {}
+            kinds = Counter(entries.values())
+            if kinds["optimizer"] and not kinds["scaler"] and not any("scaler" in k.lower() or k.lower() == "amp"
+                                                                      for k in entries):
+                return Check(name, "fail", f"{os.path.basename(save['path'])} saves the optimizer's state without the "
+                             f"GradScaler's: a resumed run restarts loss scaling")
+        return Check(name, "pass", "every checkpoint with the optimizer's state has the scaler's")
+    return Check(name, "skip", "no GradScaler")

@@ -1,0 +1,248 @@
+"""`gpumigrate verify`: the original and the migrated script run side by side, briefly, under
+the probe (gpumigrate/verify/probe.py), each in a scratch copy of the script's folder, and
+compared (gpumigrate/verify/checks.py).
+
+Runs, for a target T:
+  base    the original, one process, the torch it was written for emulated on the CPU;
+  single  the migrated script, one process (with `GPUMIGRATE_AMP=off` when T has amp);
+  dist    ddp: the migrated script under `torchrun --standalone --nproc_per_node=N` (gloo);
+  ref     ddp: the original again, one process, evaluating the weights the dist run
+          evaluated first and loading the checkpoints its rank 0 wrote;
+  bf16    amp: the migrated script, one process, `GPUMIGRATE_AMP=bf16`.
+The user's files are only read: everything a run writes lands in its own copy or temp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from gpumigrate.verify.runs import clean_env, run_bounded
+
+PROBE = Path(__file__).resolve().parent / "probe.py"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
+TARGETS = ("device", "ddp", "amp")
+SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "env", "node_modules", ".tox", ".mypy_cache",
+             ".pytest_cache", ".ipynb_checkpoints", "wandb", "mlruns"}
+COPY_LIMIT = 1 << 20      # larger files are linked (and copied only if a run writes them)
+FILE_LIMIT = 20000        # files of the script's folder a scratch copy takes
+
+
+class VerifyError(Exception):
+    """Verify cannot judge: why (exit status 2)."""
+
+
+@dataclass
+class Options:
+    script: Path
+    target: str
+    args: Sequence[str] = ()
+    against: Optional[Path] = None
+    steps: int = 5
+    batches: int = 3
+    nproc: int = 2
+    timeout: float = 300.0
+    data: str = "fake"
+    samples: int = 64
+    stall: Optional[float] = None   # seconds without progress that mean a hang (default: from timeout)
+    keep: bool = False              # leave the scratch folder (debugging)
+
+
+@dataclass
+class Probed:
+    """One run under the probe."""
+
+    name: str
+    nproc: int
+    returncode: Optional[int]    # None: killed at the timeout
+    stdout: str
+    stderr: str
+    seconds: float
+    work: Path                   # the scratch copy it ran in
+    script: Path
+    out: Path
+    timeout: float
+    ranks: Dict[int, dict] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return (self.returncode == 0 and sorted(self.ranks) == list(range(self.nproc))
+                and all(rep.get("error") is None for rep in self.ranks.values()))
+
+    def error(self) -> Optional[str]:
+        """One line: why the run failed (the root cause first), or None."""
+        if self.returncode is None:
+            return f"timed out after {self.timeout:g} s"
+        secondary = ("Connection closed by peer", "Connection reset", "stopping rank", "failed (")
+        ranked = sorted(self.ranks.items(), key=lambda item: (
+            any(s in str((item[1].get("error") or {}).get("message")) for s in secondary), item[0]))
+        for rank, rep in ranked:
+            err = rep.get("error")
+            if err:
+                where = self.where(err.get("traceback", ""))
+                who = f"rank {rank}: " if self.nproc > 1 else ""
+                return f"{who}{err['type']}: {str(err['message'])[:300]}" + (f" at {where}" if where else "")
+        if self.returncode != 0:
+            lines = [ln for ln in self.stderr.splitlines() if ln.strip() and "Warning" not in ln]
+            return f"exit {self.returncode}: " + (lines[-1][:300] if lines else "(no output)")
+        if sorted(self.ranks) != list(range(self.nproc)):
+            return f"no probe report from ranks {sorted(set(range(self.nproc)) - set(self.ranks))}"
+        return None
+
+    def where(self, traceback: str) -> Optional[str]:
+        """file:line of the innermost frame of the script's own code in a traceback."""
+        import re
+        root = str(self.script.parent) + os.sep
+        found = None
+        for path, line in re.findall(r'File "([^"]+)", line (\d+)', traceback):
+            if path.startswith(root):
+                found = f"{os.path.relpath(path, root)}:{line}"
+        return found
+
+    def rank(self, r: int = 0) -> dict:
+        return self.ranks.get(r, {})
+
+    def summary(self) -> dict:
+        return {"nproc": self.nproc, "returncode": self.returncode, "seconds": round(self.seconds, 2),
+                "error": self.error(), "steps": [len(rep.get("steps") or []) for _, rep in sorted(self.ranks.items())]}
+
+
+# ---------------------------------------------------------------- scratch copies
+
+def _tree_root(files: Sequence[Path]) -> Path:
+    return Path(os.path.commonpath([str(f.parent) for f in files]))
+
+
+def copy_tree(src: Path, dest: Path) -> None:
+    """`src` into `dest`: small files copied, large ones linked (a run copies one before
+    writing it), version control, caches and virtual environments left out."""
+    count = 0
+    for folder, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")
+                         and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg")))
+        rel = os.path.relpath(folder, src)
+        target = dest / rel
+        target.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            count += 1
+            if count > FILE_LIMIT:
+                raise VerifyError(f"{src} holds more than {FILE_LIMIT} files; verify copies the script's folder "
+                                  f"into a scratch folder: run it on a script in a smaller folder")
+            path = os.path.join(folder, name)
+            if os.path.islink(path) or os.path.getsize(path) > COPY_LIMIT:
+                os.symlink(os.path.realpath(path), target / name)
+            else:
+                shutil.copy2(path, target / name)
+
+
+def _copy_run(tree: Path, dest: Path) -> None:
+    shutil.copytree(tree, dest, symlinks=True)
+    (dest.parent / f"{dest.name}-tmp").mkdir()
+
+
+def migrate_copy(tree: Path, script: Path, target: str) -> str:
+    """Run `gpumigrate --to target` on the script and the project modules it imports, in
+    `tree`; its report (stderr)."""
+    from gpumigrate.rewriter.project import project_files
+    files = [str(p) for p in project_files(str(script)) if str(p).startswith(str(tree))]
+    cmd = [sys.executable, "-m", "gpumigrate", *files, "--to", target, "--no-cache"]
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(cmd, cwd=str(tree), capture_output=True, text=True, env=env)
+    if proc.returncode not in (0, 1):
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise VerifyError(f"the migration failed: {last}")
+    return proc.stderr
+
+
+# ---------------------------------------------------------------- runs
+
+class Session:
+    """A verify session's scratch folder and its runs."""
+
+    def __init__(self, opts: Options, progress: Optional[Callable[[str], None]] = None) -> None:
+        self.opts = opts
+        self.progress = progress or (lambda text: None)
+        self.root = Path(tempfile.mkdtemp(prefix="gpumigrate-verify-")).resolve()
+        self.runs: Dict[str, Probed] = {}
+        self.migration_report = ""
+
+    def close(self) -> None:
+        if not self.opts.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def prepare(self) -> None:
+        opts = self.opts
+        from gpumigrate.rewriter.project import project_files
+        files = project_files(str(opts.script))
+        src = _tree_root(files)
+        copy_tree(src, self.root / "original")
+        self.original = self.root / "original" / opts.script.resolve().relative_to(src)
+        if opts.against is not None:
+            against_src = opts.against.resolve().parent
+            copy_tree(against_src, self.root / "migrated")
+            self.migrated = self.root / "migrated" / opts.against.name
+        else:
+            copy_tree(src, self.root / "migrated")
+            self.migrated = self.root / "migrated" / opts.script.resolve().relative_to(src)
+            self.progress(f"migrating --to {opts.target}")
+            self.migration_report = migrate_copy(self.root / "migrated", self.migrated, opts.target)
+
+    def config(self, emulate: bool, dist: bool) -> dict:
+        opts = self.opts
+        stall = opts.stall if opts.stall is not None else max(30.0, opts.timeout / 3)
+        return {"seed": 0, "steps": opts.steps, "batches": opts.batches, "emulate": emulate,
+                "fake_data": opts.data == "fake", "samples": opts.samples, "scratch": str(self.root),
+                "stall": stall if dist else None}
+
+    def run(self, name: str, original: bool, nproc: int = 1, env: Optional[Dict[str, str]] = None,
+            probe_args: Sequence[str] = ()) -> Probed:
+        opts = self.opts
+        self.progress(f"running {name}" + (f" ({nproc} ranks)" if nproc > 1 else ""))
+        tree = self.root / ("original" if original else "migrated")
+        script = self.original if original else self.migrated
+        work = self.root / "runs" / name
+        _copy_run(tree, work)
+        local = work / script.relative_to(tree)
+        out = self.root / "runs" / f"{name}-probe"
+        launcher = [sys.executable] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd = [*launcher, str(PROBE), *probe_args, str(out), str(local), *opts.args]
+        run_env = clean_env()
+        paths = [str(PACKAGE_ROOT), run_env.get("PYTHONPATH", "")]
+        run_env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="",
+                       PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(work.parent / f"{name}-tmp"),
+                       MPLBACKEND="Agg", GPUMIGRATE_VERIFY=json.dumps(self.config(original, nproc > 1)))
+        run_env.update(env or {})
+        code, stdout, stderr, seconds = run_bounded(cmd, local.parent, run_env, opts.timeout)
+        probed = Probed(name, nproc, code, stdout, stderr, seconds, work, local, out, opts.timeout)
+        for report in sorted(out.glob("rank*.json")):
+            data = json.loads(report.read_text())
+            probed.ranks[data["rank"]] = data
+        self.runs[name] = probed
+        return probed
+
+
+def verify(opts: Options, progress: Optional[Callable[[str], None]] = None) -> "Verdict":
+    from gpumigrate.verify.checks import Verdict, judge
+    start = time.perf_counter()
+    targets = [t.strip() for t in opts.target.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise VerifyError(f"--to {opts.target}: verify knows the targets {', '.join(TARGETS)}")
+    session = Session(opts, progress)
+    try:
+        session.prepare()
+        verdict: Verdict = judge(session, targets)
+    finally:
+        session.close()
+    verdict.seconds = time.perf_counter() - start
+    return verdict

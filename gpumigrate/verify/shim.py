@@ -1,0 +1,384 @@
+"""What a verify run changes around a script, from the outside, so that it runs briefly,
+offline, deterministically and on a CPU, without a byte of the script edited.
+
+* `seed`: Python's, torch's and numpy's generators seeded, deterministic algorithms, one thread.
+* `cap`: at most `steps` optimizer steps (all optimizers counted together; the next one ends
+  the script with SystemExit(0), as a script whose epochs are hard-coded needs), and at most
+  `batches` batches per pass over a DataLoader, so epochs end and evaluation and checkpoints
+  run. A loader over an unshuffled shard of N ranks (evaluation under DDP) takes
+  ceil(batches / N) batches: together the ranks see the batches one process sees.
+* `fake_data`: torchvision datasets (MNIST and its kin, CIFAR10/100, SVHN, STL10, and an
+  ImageFolder whose folder does not exist) become deterministic random data of the same
+  shapes and classes: `samples` training samples, a quarter of that for the other splits; no
+  pretrained weights are downloaded (the module keeps its random initialisation).
+* `emulate` (the original script only): the torch it was written for, on a CPU. `.cuda()`
+  and `.to("cuda")` stay on the CPU, `torch.cuda.*Tensor` are the CPU types,
+  `torch.cuda.set_device`/`synchronize` do nothing, a 0-dim tensor indexed with `[0]` is
+  itself (PyTorch < 0.4), and `torch.load` unpickles as before 2.6 (`weights_only=False`).
+
+Each of these says what it did, once, on stderr, as a line starting `[verify]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import math
+import os
+import random
+import sys
+from typing import Any, Callable, Dict, Optional
+
+_said: set = set()
+
+
+def say(key: str, text: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        print(f"[verify] {text}", file=sys.stderr, flush=True)
+
+
+def _seed_of(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+# ---------------------------------------------------------------- seeds
+
+def seed_everything(seed: int) -> None:
+    import torch
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    _after_import("numpy", lambda np: np.random.seed(seed))
+
+
+# ---------------------------------------------------------------- caps
+
+class StepCap:
+    """Counts optimizer steps; the one past `limit` ends the script."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.taken = limit, 0
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.taken >= self.limit:
+            say("steps", f"stopped after {self.taken} optimizer steps (--steps)")
+            raise SystemExit(0)
+        self.taken += 1
+
+
+def _shard_replicas(loader: Any) -> int:
+    """N where `loader` reads an unshuffled shard of N ranks (evaluation under DDP), else 1."""
+    from torch.utils.data.distributed import DistributedSampler
+    batches = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batches, "sampler", None) or getattr(loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler) and not sampler.shuffle:
+        return int(sampler.num_replicas)
+    indices = getattr(sampler, "indices", None)
+    if type(sampler).__name__ == "_Shard" and isinstance(indices, range):
+        return indices.step
+    return 1
+
+
+def cap(steps: Optional[int], batches: Optional[int]) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    if steps is not None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(StepCap(steps))
+    if batches is None:
+        return
+    original_iter, original_len = DataLoader.__iter__, DataLoader.__len__
+
+    class Capped:
+        def __init__(self, it: Any, left: int) -> None:
+            self._it, self._left = it, left
+
+        def __iter__(self) -> "Capped":
+            return self
+
+        def __next__(self) -> Any:
+            if self._left <= 0:
+                say("batches", f"each pass over a DataLoader stops after {batches} batches (--batches)")
+                raise StopIteration
+            self._left -= 1
+            return next(self._it)
+
+        next = __next__  # pre-1.0 scripts call it.next()
+
+        def __len__(self) -> int:
+            return min(len(self._it), self._left)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._it, name)
+
+    def limit(loader: Any) -> int:
+        return math.ceil(batches / _shard_replicas(loader))
+
+    def __iter__(self: Any) -> Capped:
+        return Capped(original_iter(self), limit(self))
+
+    def __len__(self: Any) -> int:
+        return min(original_len(self), limit(self))
+
+    DataLoader.__iter__ = __iter__
+    DataLoader.__len__ = __len__
+
+    original_init = DataLoader.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if self.num_workers:  # workers would each import and seed anew: in process, deterministic
+            say("workers", f"DataLoader num_workers={self.num_workers} -> 0")
+            object.__setattr__(self, "num_workers", 0)
+            object.__setattr__(self, "persistent_workers", False)
+            object.__setattr__(self, "prefetch_factor", None)
+
+    DataLoader.__init__ = __init__
+    del torch
+
+
+# ---------------------------------------------------------------- fake data
+
+def fake_data(samples: int, image_size: int = 64, classes: int = 10) -> None:
+    _offline_hub()
+    test_size = max(8, samples // 4)
+    _after_import("torchvision.datasets", lambda datasets: _patch_datasets(datasets, samples, test_size,
+                                                                          image_size, classes))
+
+
+def _offline_hub() -> None:
+    import torch
+    import torch.hub
+
+    class AnyStateDict(dict):
+        """Stands for downloaded weights: load_state_dict keeps the module as it is."""
+
+    def load_state_dict_from_url(url: str, *args: Any, **kwargs: Any) -> AnyStateDict:
+        say("hub", f"not downloading {url}: random weights instead")
+        return AnyStateDict()
+
+    def download_url_to_file(url: str, dst: str, *args: Any, **kwargs: Any) -> None:
+        raise OSError(f"verify runs offline: not downloading {url} (use --data real with the file in place)")
+
+    torch.hub.load_state_dict_from_url = load_state_dict_from_url
+    torch.hub.download_url_to_file = download_url_to_file
+    _after_import("torch.utils.model_zoo", lambda zoo: setattr(zoo, "load_url", load_state_dict_from_url))
+    original_load_state_dict = torch.nn.Module.load_state_dict
+
+    def load_state_dict(self: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(state_dict, AnyStateDict):
+            from torch.nn.modules.module import _IncompatibleKeys
+            return _IncompatibleKeys([], [])
+        return original_load_state_dict(self, state_dict, *args, **kwargs)
+
+    torch.nn.Module.load_state_dict = load_state_dict
+
+
+def _is_train(train: Any = None, split: Any = None) -> bool:
+    if split is not None:
+        return "train" in str(split) or str(split) == "unlabeled"
+    return bool(train) if train is not None else True
+
+
+def _patch_datasets(datasets: Any, train_size: int, test_size: int, image_size: int, classes_: int) -> None:
+    import torch
+    from torchvision.datasets.vision import VisionDataset
+
+    def arrays(cls: type, train: bool, shape: tuple, classes: int) -> tuple:
+        n = train_size if train else test_size
+        gen = torch.Generator().manual_seed(_seed_of(cls.__name__, train))
+        data = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=gen)
+        return data, torch.randint(0, classes, (n,), generator=gen)
+
+    def base(self: Any, root: Any, transform: Any, target_transform: Any) -> None:
+        VisionDataset.__init__(self, root, transform=transform, target_transform=target_transform)
+
+    def mnist_init(self: Any, root: Any, train: bool = True, transform: Any = None, target_transform: Any = None,
+                   download: bool = False, **kwargs: Any) -> None:
+        base(self, root, transform, target_transform)
+        self.train = train
+        classes = len(getattr(self, "classes", None) or range(10))
+        if type(self).__name__ == "EMNIST":  # its classes depend on the split
+            self.split = kwargs.get("split", "balanced")
+            self.classes = self.classes_split_dict.get(self.split, self.classes_split_dict["balanced"])
+            classes = len(self.classes)
+        self.data, targets = arrays(type(self), train, (28, 28), classes)
+        self.targets = targets.long()
+        say("MNIST", f"{type(self).__name__}: {len(self.data)} fake samples (--data fake)")
+
+    def cifar_init(self: Any, root: Any, train: bool = True, transform: Any = None, target_transform: Any = None,
+                   download: bool = False) -> None:
+        base(self, root, transform, target_transform)
+        self.train = train
+        classes = 100 if isinstance(self, datasets.CIFAR100) else 10
+        data, targets = arrays(type(self), train, (32, 32, 3), classes)
+        self.data, self.targets = data.numpy(), [int(t) for t in targets]
+        self.classes = [f"class{i}" for i in range(classes)]
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        say("CIFAR", f"{type(self).__name__}: {len(self.data)} fake samples (--data fake)")
+
+    def svhn_init(self: Any, root: Any, split: str = "train", transform: Any = None, target_transform: Any = None,
+                  download: bool = False) -> None:
+        base(self, root, transform, target_transform)
+        self.split = split
+        data, labels = arrays(type(self), split == "train", (3, 32, 32), 10)
+        self.data, self.labels = data.numpy(), labels.numpy()
+        say("SVHN", f"SVHN: {len(self.data)} fake samples (--data fake)")
+
+    def stl10_init(self: Any, root: Any, split: str = "train", folds: Any = None, transform: Any = None,
+                   target_transform: Any = None, download: bool = False) -> None:
+        base(self, root, transform, target_transform)
+        self.split, self.folds = split, folds
+        data, labels = arrays(type(self), _is_train(split=split), (3, 96, 96), 10)
+        self.data, self.labels = data.numpy(), (labels if split != "unlabeled" else torch.full_like(labels, -1)).numpy()
+        self.classes = [f"class{i}" for i in range(10)]
+        say("STL10", f"STL10: {len(self.data)} fake samples (--data fake)")
+
+    datasets.MNIST.__init__ = mnist_init
+    datasets.CIFAR10.__init__ = cifar_init  # CIFAR100 inherits it
+    datasets.SVHN.__init__ = svhn_init
+    datasets.STL10.__init__ = stl10_init
+    folder_init = datasets.DatasetFolder.__init__
+
+    def fake_loader(path: str) -> Any:
+        from PIL import Image
+        gen = torch.Generator().manual_seed(_seed_of(path))
+        pixels = torch.randint(0, 256, (image_size, image_size, 3), dtype=torch.uint8, generator=gen)
+        return Image.frombytes("RGB", (image_size, image_size), bytes(pixels.reshape(-1).tolist()))
+
+    def dataset_folder_init(self: Any, root: Any, loader: Any = None, extensions: Any = None, transform: Any = None,
+                            target_transform: Any = None, is_valid_file: Any = None, *args: Any, **kwargs: Any) -> None:
+        if os.path.isdir(root) and any(os.scandir(root)):
+            return folder_init(self, root, loader, extensions, transform, target_transform, is_valid_file,
+                               *args, **kwargs)
+        base(self, root, transform, target_transform)
+        train = "val" not in os.path.basename(os.path.normpath(str(root))).lower()
+        n = train_size if train else test_size
+        self.classes = [f"class{i}" for i in range(classes_)]
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.samples = [(os.path.join(str(root), f"class{i % classes_}", f"{i}.png"), i % classes_) for i in range(n)]
+        self.targets = [t for _, t in self.samples]
+        self.imgs = self.samples
+        self.loader = fake_loader
+        self.extensions = extensions
+        say(f"folder:{root}", f"{type(self).__name__}({root!r}): no such folder, {n} fake {image_size}px images")
+
+    datasets.DatasetFolder.__init__ = dataset_folder_init
+
+
+# ---------------------------------------------------------------- the original's torch, on a CPU
+
+def emulate_old_torch() -> None:
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    def cpu(device: Any) -> Any:
+        if isinstance(device, int) or (isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"):
+            say("cuda", "the original's CUDA tensors stay on the CPU")
+            return torch.device("cpu")
+        return device
+
+    tensor_cuda, tensor_getitem, tensor_type = torch.Tensor.cuda, torch.Tensor.__getitem__, torch.Tensor.type
+
+    class OldTorch(TorchFunctionMode):
+        def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            kwargs = dict(kwargs or {})
+            if func is tensor_cuda:
+                return args[0]
+            if func is tensor_getitem and args[0].dim() == 0 and args[1:] == (0,):
+                say("0-dim", "a 0-dim tensor indexed with [0] is itself, as in PyTorch < 0.4")
+                return args[0]
+            if func is tensor_type and len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+            if "device" in kwargs:
+                kwargs["device"] = cpu(kwargs["device"])
+            if getattr(func, "__name__", "") == "to":
+                args = tuple(cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
+            return func(*args, **kwargs)
+
+    OldTorch().__enter__()  # for the whole run
+    for name in ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
+                 "ShortTensor", "IntTensor", "LongTensor", "BoolTensor"):
+        setattr(torch.cuda, name, getattr(torch, name))
+    for name in ("set_device", "synchronize", "manual_seed", "manual_seed_all", "empty_cache", "reset_peak_memory_stats"):
+        setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    torch.cuda.current_device = lambda: 0
+    original_module_to = torch.nn.Module.to
+
+    def module_to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(cpu(a) if isinstance(a, (str, torch.device, int)) and not isinstance(a, bool) else a for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = cpu(kwargs["device"])
+        return original_module_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = module_to
+    torch.nn.Module.cuda = lambda self, device=None: self
+    original_load = torch.load
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("weights_only", False)
+        if "map_location" not in kwargs and len(args) < 1:
+            kwargs["map_location"] = "cpu"
+        return original_load(f, *args, **kwargs)
+
+    torch.load = load
+
+
+# ---------------------------------------------------------------- post-import hooks
+
+_HOOKS: Dict[str, list] = {}
+
+
+def _after_import(name: str, hook: Callable[[Any], None]) -> None:
+    """`hook(module)` once `name` is imported (now, if it already is)."""
+    if name in sys.modules:
+        hook(sys.modules[name])
+        return
+    _HOOKS.setdefault(name, []).append(hook)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader: Any, hooks: list) -> None:
+        self.loader, self.hooks = loader, hooks
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        for hook in self.hooks:
+            hook(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        hooks = _HOOKS.pop(name, None)
+        if hooks is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, hooks)
+                return spec
+        return None
+
+
+def install(config: Dict[str, Any]) -> None:
+    """Everything `config` (the verify run's settings) asks for."""
+    if config.get("seed") is not None:
+        seed_everything(int(config["seed"]))
+    if config.get("emulate"):
+        emulate_old_torch()
+    if config.get("fake_data"):
+        fake_data(int(config.get("samples") or 64))
+    cap(config.get("steps"), config.get("batches"))
