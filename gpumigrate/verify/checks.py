@@ -68,7 +68,7 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
     script = str(opts.script)
     verdict = Verdict(script, ",".join(targets), "unknown", "", migration_report=session.migration_report)
     amp = "amp" in targets
-    base = session.run("original", original=True)
+    base = session.run_original()
     verdict.runs["original"] = base.summary()
     if not base.ok:
         verdict.reason = _cannot_judge(base, opts)
@@ -138,10 +138,16 @@ def same_run(base: "Probed", other: "Probed", label: str) -> List[Check]:
     else:
         checks.append(Check("optimizer steps", "pass", f"{len(a)} steps, the same optimizers in the same order"
                             if [s["optimizer"] for s in a] == [s["optimizer"] for s in b] else f"{len(a)} steps"))
-    checks.append(_losses(a, b))
-    checks.append(_parameters(base, other))
-    checks.append(_printed(base, other))
+    checks.append(_losses(a or _pending(base), b or _pending(other)))
+    checks.append(_parameters(base, other, *_tolerance(a, b)))
+    checks.append(_printed(base, other, _tolerance(a, b)[0]))
     return checks
+
+
+def _pending(run: "Probed") -> List[dict]:
+    """A script without an optimizer (SGD by hand): its backward values, as one step."""
+    losses = run.rank(0).get("pending_losses") or []
+    return [{"losses": losses, "optimizer": None}] if losses else []
 
 
 def _error_where(run: "Probed") -> Optional[str]:
@@ -158,22 +164,34 @@ def _close(a: float, b: float, rtol: float = RTOL, atol: float = ATOL) -> bool:
     return abs(a - b) <= atol + rtol * abs(b)
 
 
+TOLERANCES = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5)}  # torch.testing's, by dtype
+
+
+def _tolerance(*runs: Sequence[dict]) -> Tuple[float, float]:
+    """assert_close's (rtol, atol) for the lowest precision the losses or parameters had."""
+    dtypes = {d for steps in runs for s in steps for d in s.get("dtypes") or ()}
+    found = [TOLERANCES[d] for d in TOLERANCES if d in dtypes]
+    return max(found) if found else (RTOL, ATOL)
+
+
 def _losses(a: List[dict], b: List[dict]) -> Check:
     compared, worst = 0, 0.0
+    rtol, atol = _tolerance(a, b)
     for step, (x, y) in enumerate(zip(a, b), 1):
         if len(x["losses"]) != len(y["losses"]):
             return Check("loss", "fail", f"step {step}: the original calls backward() {len(x['losses'])} times, the "
                          f"migrated script {len(y['losses'])} times", y.get("backward_at") or y.get("step_at"))
         for i, (u, v) in enumerate(zip(x["losses"], y["losses"])):
             compared += 1
-            if not _close(v, u):
+            if not _close(v, u, rtol, atol):
                 which = f" (backward {i + 1})" if len(x["losses"]) > 1 else ""
                 return Check("loss", "fail", f"step {step}{which}: loss {v:.8g}, the original's {u:.8g}",
                              y.get("backward_at"), {"step": step, "original": u, "migrated": v})
             worst = max(worst, abs(u - v))
     if not compared:
         return Check("loss", "skip", "no scalar loss reached backward()")
-    return Check("loss", "pass", f"{compared} losses over {min(len(a), len(b))} steps, max |diff| {worst:.3g}",
+    over = f"{min(len(a), len(b))} steps" if a and a[0]["optimizer"] is not None else "the run (no optimizer)"
+    return Check("loss", "pass", f"{compared} losses over {over}, max |diff| {worst:.3g}",
                  values={"max_abs_diff": worst})
 
 
@@ -182,7 +200,7 @@ def _vectors(run: "Probed", rank: int = 0) -> List[Any]:
     return [torch.load(run.out / o["vector"]) for o in run.rank(rank).get("optimizers") or []]
 
 
-def _parameters(base: "Probed", other: "Probed") -> Check:
+def _parameters(base: "Probed", other: "Probed", rtol: float = RTOL, atol: float = ATOL) -> Check:
     va, vb = _vectors(base), _vectors(other)
     if not va:
         return Check("parameters", "skip", "the original builds no optimizer")
@@ -195,7 +213,10 @@ def _parameters(base: "Probed", other: "Probed") -> Check:
                          f"{x.numel()}")
         if x.numel():
             diff = (x - y).abs()
-            bad = diff > ATOL + RTOL * x.abs()
+            bad = diff > atol + rtol * x.abs()
+            if rtol > RTOL:  # reduced precision: elementwise, the drift of a few steps is noise; the whole is not
+                within = float(diff.norm()) <= rtol * float(x.norm()) + atol * x.numel() ** 0.5
+                bad = bad & False if within else bad
             if bool(bad.any()):
                 return Check("parameters", "fail", f"after the last step, optimizer {i}'s parameters differ from the "
                              f"original's by up to {float(diff.max()):.3g} ({int(bad.sum())} of {x.numel()})",
@@ -221,7 +242,7 @@ def _numbers(line: str) -> List[Tuple[str, bool]]:
     return out
 
 
-def _same_number(a: str, b: str) -> bool:
+def _same_number(a: str, b: str, rtol: float = 1e-5) -> bool:
     if a == b:
         return True
     try:
@@ -229,13 +250,13 @@ def _same_number(a: str, b: str) -> bool:
     except ValueError:
         return False
     digits = max(len(s.split(".")[1]) if "." in s and "e" not in s.lower() else 0 for s in (a, b))
-    return _close(x, y, rtol=1e-5, atol=1.01 * 10 ** -digits if digits else 0.0)
+    return _close(x, y, rtol=max(rtol, 1e-5), atol=1.01 * 10 ** -digits if digits else 0.0)
 
 
-def _printed(base: "Probed", other: "Probed") -> Check:
+def _printed(base: "Probed", other: "Probed", rtol: float = 1e-5) -> Check:
     la = [(_normalise(ln[2], base), ln[3]) for ln in base.rank(0).get("lines") or []]
     lb = [(_normalise(ln[2], other), ln[3]) for ln in other.rank(0).get("lines") or []]
-    diff = compare_lines([t for t, _ in la], [t for t, _ in lb])
+    diff = compare_lines([t for t, _ in la], [t for t, _ in lb], rtol)
     if diff is None:
         return Check("printed output", "pass", f"{len(lb)} lines, the same text and numbers")
     index, why = diff
@@ -243,10 +264,10 @@ def _printed(base: "Probed", other: "Probed") -> Check:
     return Check("printed output", "fail", why, at, {"line": index + 1})
 
 
-def compare_lines(a: Sequence[str], b: Sequence[str]) -> Optional[Tuple[int, str]]:
+def compare_lines(a: Sequence[str], b: Sequence[str], rtol: float = 1e-5) -> Optional[Tuple[int, str]]:
     """(index, why) of the first line of `b` that does not match `a`, or None."""
     for i, (x, y) in enumerate(zip(a, b)):
-        why = _line_differs(x, y)
+        why = _line_differs(x, y, rtol)
         if why:
             return i, f"printed line {i + 1}: {why}"
     if len(a) != len(b):
@@ -257,11 +278,11 @@ def compare_lines(a: Sequence[str], b: Sequence[str]) -> Optional[Tuple[int, str
     return None
 
 
-def _line_differs(x: str, y: str) -> Optional[str]:
+def _line_differs(x: str, y: str, rtol: float = 1e-5) -> Optional[str]:
     if NUMBER.sub("#", x) != NUMBER.sub("#", y):
         return f"{y.strip()[:100]!r}, the original printed {x.strip()[:100]!r}"
     for (u, vol), (v, _) in zip(_numbers(x), _numbers(y)):
-        if not vol and not _same_number(u, v):
+        if not vol and not _same_number(u, v, rtol):
             return f"{v} where the original printed {u} ({y.strip()[:100]!r})"
     return None
 

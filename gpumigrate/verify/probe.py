@@ -469,6 +469,7 @@ class Verify:
         self.trained_ids: set = set()
         self.trained_count = -1
         self.backward_at: Optional[str] = None
+        self.loss_dtypes: set = set()
         self.scalers = 0
 
     def trained(self, module) -> bool:
@@ -510,6 +511,7 @@ def _record_loss(tensor) -> None:
         value = float(tensor.detach().reshape(()).to("cpu", torch.float64))
         scale = VERIFY.scaled.pop(id(tensor), None)
         VERIFY.losses.append(value / scale if scale else value)
+        VERIFY.loss_dtypes.add(str(tensor.dtype).replace("torch.", ""))
         if VERIFY.backward_at is None:
             VERIFY.backward_at = _script_line(3)
 
@@ -609,7 +611,11 @@ def _patch_verify_steps() -> None:
             vector = _optimizer_vector(optimizer)
             VERIFY.records.append({"optimizer": index, "losses": VERIFY.losses,
                                    "params": [float(vector.sum()), float(vector.square().sum())],
-                                   "backward_at": VERIFY.backward_at, "step_at": _script_line(2)})
+                                   "backward_at": VERIFY.backward_at, "step_at": _script_line(2),
+                                   "dtypes": sorted(VERIFY.loss_dtypes | {str(p.dtype).replace("torch.", "")
+                                                                          for g in optimizer.param_groups
+                                                                          for p in g["params"][:50]})})
+        VERIFY.loss_dtypes = set()
         VERIFY.losses, VERIFY.backward_at = [], None
         if len(VERIFY.retained) < GRAPH_SCAN_STEPS:
             _scan_graphs()

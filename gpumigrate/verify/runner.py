@@ -32,6 +32,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 TARGETS = ("device", "ddp", "amp")
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "env", "node_modules", ".tox", ".mypy_cache",
              ".pytest_cache", ".ipynb_checkpoints", "wandb", "mlruns"}
+# errors no other cap or emulation can help with
+FATAL = {"ModuleNotFoundError", "ImportError", "SyntaxError", "FileNotFoundError", "NotADirectoryError",
+         "IndentationError", "TabError"}
 COPY_LIMIT = 1 << 20      # larger files are linked (and copied only if a run writes them)
 FILE_LIMIT = 20000        # files of the script's folder a scratch copy takes
 
@@ -174,9 +177,13 @@ class Session:
         self.root = Path(tempfile.mkdtemp(prefix="gpumigrate-verify-")).resolve()
         self.runs: Dict[str, Probed] = {}
         self.migration_report = ""
+        self.batches: Optional[int] = opts.batches
+        self.emulate = 1
 
     def close(self) -> None:
-        if not self.opts.keep:
+        if self.opts.keep:
+            print(f"verify: the runs are kept in {self.root}", file=sys.stderr)
+        else:
             shutil.rmtree(self.root, ignore_errors=True)
 
     def prepare(self) -> None:
@@ -199,27 +206,39 @@ class Session:
     def config(self, emulate: bool, dist: bool) -> dict:
         opts = self.opts
         stall = opts.stall if opts.stall is not None else max(30.0, opts.timeout / 3)
-        return {"seed": 0, "steps": opts.steps, "batches": opts.batches, "emulate": emulate,
+        return {"seed": 0, "steps": opts.steps, "batches": self.batches, "emulate": self.emulate if emulate else 0,
                 "fake_data": opts.data == "fake", "samples": opts.samples, "scratch": str(self.root),
                 "stall": stall if dist else None}
 
+    def run_original(self) -> Probed:
+        """The original in one process. Where it fails, once more without the batch cap (a
+        loop that steps every k batches), then with the older torch.full: the first that runs."""
+        base = self.run("original", original=True)
+        for attempt, (key, value) in enumerate((("batches", None), ("emulate", 2)), 2):
+            error = (base.rank(0).get("error") or {}).get("type")
+            if base.ok or base.returncode is None or error in FATAL:
+                break
+            setattr(self, key, value)
+            base = self.run("original", original=True, work_name=f"original-{attempt}")
+        return base
+
     def run(self, name: str, original: bool, nproc: int = 1, env: Optional[Dict[str, str]] = None,
-            probe_args: Sequence[str] = ()) -> Probed:
+            probe_args: Sequence[str] = (), work_name: Optional[str] = None) -> Probed:
         opts = self.opts
         self.progress(f"running {name}" + (f" ({nproc} ranks)" if nproc > 1 else ""))
         tree = self.root / ("original" if original else "migrated")
         script = self.original if original else self.migrated
-        work = self.root / "runs" / name
+        work = self.root / "runs" / (work_name or name)
         _copy_run(tree, work)
         local = work / script.relative_to(tree)
-        out = self.root / "runs" / f"{name}-probe"
+        out = self.root / "runs" / f"{work.name}-probe"
         launcher = [sys.executable] if nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd = [*launcher, str(PROBE), *probe_args, str(out), str(local), *opts.args]
         run_env = clean_env()
         paths = [str(PACKAGE_ROOT), run_env.get("PYTHONPATH", "")]
         run_env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="",
-                       PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(work.parent / f"{name}-tmp"),
+                       PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(work.parent / f"{work.name}-tmp"),
                        MPLBACKEND="Agg", GPUMIGRATE_VERIFY=json.dumps(self.config(original, nproc > 1)))
         run_env.update(env or {})
         code, stdout, stderr, seconds = run_bounded(cmd, local.parent, run_env, opts.timeout)

@@ -14,7 +14,9 @@ offline, deterministically and on a CPU, without a byte of the script edited.
 * `emulate` (the original script only): the torch it was written for, on a CPU. `.cuda()`
   and `.to("cuda")` stay on the CPU, `torch.cuda.*Tensor` are the CPU types,
   `torch.cuda.set_device`/`synchronize` do nothing, a 0-dim tensor indexed with `[0]` is
-  itself (PyTorch < 0.4), and `torch.load` unpickles as before 2.6 (`weights_only=False`).
+  itself and `type(x) == Variable` holds for a tensor (PyTorch < 0.4), and `torch.load` unpickles as before 2.6 (`weights_only=False`);
+  at level 2 (tried where level 1 fails), `torch.full` with an integer fill makes a float
+  tensor, as before 1.7.
 
 Each of these says what it did, once, on stderr, as a line starting `[verify]`.
 """
@@ -271,7 +273,7 @@ def _patch_datasets(datasets: Any, train_size: int, test_size: int, image_size: 
 
 # ---------------------------------------------------------------- the original's torch, on a CPU
 
-def emulate_old_torch() -> None:
+def emulate_old_torch(level: int = 1) -> None:
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -282,6 +284,7 @@ def emulate_old_torch() -> None:
         return device
 
     tensor_cuda, tensor_getitem, tensor_type = torch.Tensor.cuda, torch.Tensor.__getitem__, torch.Tensor.type
+    torch_full = torch.full
 
     class OldTorch(TorchFunctionMode):
         def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -295,6 +298,10 @@ def emulate_old_torch() -> None:
                 args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
             if "device" in kwargs:
                 kwargs["device"] = cpu(kwargs["device"])
+            if level > 1 and func is torch_full and "dtype" not in kwargs and len(args) > 1 \
+                    and isinstance(args[1], (int, bool)):
+                say("full", "torch.full with an integer fill makes a float tensor, as before PyTorch 1.7")
+                kwargs["dtype"] = torch.get_default_dtype()
             if getattr(func, "__name__", "") == "to":
                 args = tuple(cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
             return func(*args, **kwargs)
@@ -325,6 +332,34 @@ def emulate_old_torch() -> None:
         return original_load(f, *args, **kwargs)
 
     torch.load = load
+    _old_variable(torch)
+
+
+def _old_variable(torch: Any) -> None:
+    """`Variable` as its own type again: `type(h) == Variable` (word_language_model's
+    repackage_hidden) is true for a tensor, as it was for a Variable before PyTorch 0.4."""
+    import torch.autograd
+    import torch.autograd.variable
+    modern = torch.autograd.Variable
+
+    class OldVariableMeta(type):
+        def __eq__(cls, other: Any) -> bool:
+            return other is cls or (isinstance(other, type) and issubclass(other, torch.Tensor))
+
+        def __hash__(cls) -> int:
+            return id(cls)
+
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, torch.Tensor)
+
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            return modern(*args, **kwargs)
+
+    class Variable(metaclass=OldVariableMeta):
+        pass
+
+    torch.autograd.Variable = Variable
+    torch.autograd.variable.Variable = Variable
 
 
 # ---------------------------------------------------------------- post-import hooks
@@ -378,7 +413,7 @@ def install(config: Dict[str, Any]) -> None:
     if config.get("seed") is not None:
         seed_everything(int(config["seed"]))
     if config.get("emulate"):
-        emulate_old_torch()
+        emulate_old_torch(int(config["emulate"]))
     if config.get("fake_data"):
         fake_data(int(config.get("samples") or 64))
     cap(config.get("steps"), config.get("batches"))
