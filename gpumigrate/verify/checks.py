@@ -73,13 +73,14 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
     if not base.ok:
         verdict.reason = _cannot_judge(base, opts)
         return verdict
-    single = session.run("migrated", original=False, env={"GPUMIGRATE_AMP": "off"} if amp else None)
+    full = {"GPUMIGRATE_AMP": "off"} if amp else None  # exact comparisons in float32; bf16 has its own run
+    single = session.run("migrated", original=False, env=full)
     verdict.runs["migrated"] = single.summary()
     checks = verdict.checks
     checks += same_run(base, single, "migrated, one process" + (", GPUMIGRATE_AMP=off" if amp else ""))
     checks.append(retained_graphs(single, base))
     if "ddp" in targets:
-        dist = session.run("torchrun", original=False, nproc=opts.nproc)
+        dist = session.run("torchrun", original=False, nproc=opts.nproc, env=full)
         verdict.runs["torchrun"] = dist.summary()
         checks += ddp_checks(session, base, dist)
     if amp:
@@ -290,11 +291,11 @@ def _line_differs(x: str, y: str, rtol: float = 1e-5) -> Optional[str]:
 # ---------------------------------------------------------------- graphs kept across steps
 
 def retained_graphs(run: "Probed", base: "Probed") -> Check:
-    """A name whose autograd graph grows at every step for 3 steps keeps every step's graph
+    """A name whose autograd graph grows at 3 steps in a row keeps every step's graph
     (`total += loss` without `.item()`): memory grows until it runs out."""
     scans = run.rank(0).get("retained") or []
-    if len(scans) < 4:
-        return Check("retained graphs", "skip", f"{len(scans)} steps measured (4 needed)")
+    if len(scans) < 3:
+        return Check("retained graphs", "skip", f"{len(scans)} steps measured (3 needed)")
     growing = _growing(scans)
     if not growing:
         return Check("retained graphs", "pass", f"no name holds a graph that grows over {len(scans)} steps")
@@ -309,12 +310,13 @@ def retained_graphs(run: "Probed", base: "Probed") -> Check:
 
 def _growing(scans: List[dict]) -> List[Tuple[str, list]]:
     found = []
-    for key in scans[-1]:
-        series = [scan.get(key, [0])[0] for scan in scans]
-        tail = series[-4:]
-        if all(later > earlier for earlier, later in zip(tail, tail[1:])):
-            found.append((key, scans[-1][key]))
-    return found
+    for key in {k for scan in scans for k in scan}:
+        series = [scan.get(key, [0, None]) for scan in scans]
+        for i in range(len(series) - 2):
+            if series[i][0] < series[i + 1][0] < series[i + 2][0] and series[i][0]:
+                found.append((key, series[i + 2]))
+                break
+    return sorted(found)
 
 
 # ---------------------------------------------------------------- ddp
@@ -323,6 +325,9 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed") -> List[Check
     n = dist.nproc
     if _stalled(dist):
         return [_hang(dist)]
+    mismatch = _collective_mismatch(dist)
+    if mismatch is not None:
+        return [mismatch]
     if not dist.ok:
         return [Check("run under torchrun", "fail", dist.error() or "failed", _error_where(dist))]
     checks = [Check("run under torchrun", "pass", f"{n} ranks exit 0 ({dist.seconds:.1f} s)")]
@@ -354,6 +359,37 @@ def _hang(dist: "Probed") -> Check:
             parts.append(f"rank {rank} finished")
     missing = sorted(set(range(dist.nproc)) - set(dist.ranks))
     parts += [f"rank {r} left no report" for r in missing]
+    return Check("collectives", "fail", "the ranks do not call the same collectives: " + "; ".join(parts), line)
+
+
+PEER_GONE = re.compile(r"Connection (reset|closed) by peer|remote worker|stopping rank|failed \(|collective mismatch|"
+                       r"Socket Timeout|wait timeout|Timed out waiting", re.I)
+
+
+def _collective_mismatch(dist: "Probed") -> Optional[Check]:
+    """Ranks that lost their peers inside a collective (gloo raises when a peer ends; torchrun
+    then stops the rest), with no rank failing on its own: the ranks did not call the same
+    collectives. Where each rank was comes from its error or from the stack it dumped when
+    it was stopped."""
+    parts, line, waiting = [], None, 0
+    for rank in range(dist.nproc):
+        rep = dist.ranks.get(rank)
+        err = (rep or {}).get("error")
+        if rep is not None and err is None:
+            parts.append(f"rank {rank} finished")
+            continue
+        if err is not None and not PEER_GONE.search(str(err.get("message"))):
+            return None  # a rank failed on its own: that is the error to show
+        if err is not None:
+            where = dist.where(err.get("traceback", ""))
+        else:
+            dump = dist.out / f"rank{rank}_terminated.txt"
+            where = _stall_where(dump.read_text(), dist) if dump.exists() and dump.stat().st_size else None
+        waiting += 1
+        line = line or where
+        parts.append(f"rank {rank} waits at {where or 'a line outside the script'}")
+    if not waiting or waiting == dist.nproc and not line:
+        return None
     return Check("collectives", "fail", "the ranks do not call the same collectives: " + "; ".join(parts), line)
 
 

@@ -56,6 +56,7 @@ import hashlib
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -844,6 +845,8 @@ def main(argv) -> None:
         if written:
             return
         written.append(True)
+        if hasattr(signal, "pthread_sigmask"):  # torchrun's SIGTERM waits until the report is written
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         report = {
             "rank": rank,
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
@@ -880,9 +883,26 @@ def main(argv) -> None:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, path)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     if verify and VERIFY.config.get("stall"):
         _watch_for_stalls(float(VERIFY.config["stall"]), finish)
+    if verify and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # torchrun stops the other ranks when one fails: where each one was waiting, from C
+        # (a rank blocked in a collective runs no Python signal handler)
+        import faulthandler
+        terminated = (out_dir / f"rank{rank}_terminated.txt").open("w")
+        faulthandler.register(signal.SIGTERM, file=terminated, all_threads=True, chain=True)
+        faulthandler.enable(file=terminated, all_threads=True)  # gloo aborts on a collective mismatch
+        exit_now = runtime_dist._exit_now  # the runtime's own watch stops a rank whose peer failed
+
+        def dump_then_exit(message):
+            faulthandler.dump_traceback(file=terminated, all_threads=True)
+            terminated.flush()
+            exit_now(message)
+
+        runtime_dist._exit_now = dump_then_exit
 
     error, exit_code, pending = None, 0, None
     try:

@@ -2,11 +2,12 @@
 offline, deterministically and on a CPU, without a byte of the script edited.
 
 * `seed`: Python's, torch's and numpy's generators seeded, deterministic algorithms, one thread.
-* `cap`: at most `steps` optimizer steps (all optimizers counted together; the next one ends
-  the script with SystemExit(0), as a script whose epochs are hard-coded needs), and at most
-  `batches` batches per pass over a DataLoader, so epochs end and evaluation and checkpoints
-  run. A loader over an unshuffled shard of N ranks (evaluation under DDP) takes
-  ceil(batches / N) batches: together the ranks see the batches one process sees.
+* `cap`: at most `steps` optimizer steps (all optimizers counted together): then the training
+  pass ends, its evaluation runs, and the next training pass ends the script with
+  SystemExit(0), as a script whose epochs are hard-coded needs; and at most `batches` batches
+  per pass over a DataLoader, so epochs end and evaluation and checkpoints run. A loader that reads in order (evaluation) takes the samples of its first `batches`
+  batches instead, so the ranks of an evaluation sharded under DDP see, together, exactly the
+  samples one process sees.
 * `fake_data`: torchvision datasets (MNIST and its kin, CIFAR10/100, SVHN, STL10, and an
   ImageFolder whose folder does not exist) become deterministic random data of the same
   shapes and classes: `samples` training samples, a quarter of that for the other splits; no
@@ -58,41 +59,50 @@ def seed_everything(seed: int) -> None:
 # ---------------------------------------------------------------- caps
 
 class StepCap:
-    """Counts optimizer steps; the one past `limit` ends the script."""
+    """Counts optimizer steps. Once `limit` are taken, a shuffled (training) loader ends its
+    pass, so the evaluation after it runs, and the next training pass ends the script; a step
+    past `limit` anywhere else (a script without a DataLoader) ends it at once."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: Optional[int]) -> None:
         self.limit, self.taken = limit, 0
 
+    @property
+    def spent(self) -> bool:
+        return self.limit is not None and self.taken >= self.limit
+
+    def stop(self) -> None:
+        say("steps", f"stopped after {self.taken} optimizer steps (--steps)")
+        raise SystemExit(0)
+
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.taken >= self.limit:
-            say("steps", f"stopped after {self.taken} optimizer steps (--steps)")
-            raise SystemExit(0)
+        if self.spent:
+            self.stop()
         self.taken += 1
 
 
-def _shard_replicas(loader: Any) -> int:
-    """N where `loader` reads an unshuffled shard of N ranks (evaluation under DDP), else 1."""
+STEPS = StepCap(None)
+
+
+def _in_order(sampler: Any) -> bool:
+    """Does `sampler` read its dataset in order (evaluation), alone or as one rank's shard?"""
+    from torch.utils.data import SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
-    batches = getattr(loader, "batch_sampler", None)
-    sampler = getattr(batches, "sampler", None) or getattr(loader, "sampler", None)
-    if isinstance(sampler, DistributedSampler) and not sampler.shuffle:
-        return int(sampler.num_replicas)
-    indices = getattr(sampler, "indices", None)
-    if type(sampler).__name__ == "_Shard" and isinstance(indices, range):
-        return indices.step
-    return 1
+    if isinstance(sampler, DistributedSampler):
+        return not sampler.shuffle
+    return type(sampler) is SequentialSampler or type(sampler).__name__ == "_Shard"
 
 
 def cap(steps: Optional[int], batches: Optional[int]) -> None:
-    import torch
-    from torch.utils.data import DataLoader
+    from torch.utils.data import BatchSampler, DataLoader
 
     if steps is not None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        register_optimizer_step_pre_hook(StepCap(steps))
+        STEPS.limit = steps
+        register_optimizer_step_pre_hook(STEPS)
     if batches is None:
         return
     original_iter, original_len = DataLoader.__iter__, DataLoader.__len__
+    original_batches = BatchSampler.__iter__
 
     class Capped:
         def __init__(self, it: Any, left: int) -> None:
@@ -102,6 +112,8 @@ def cap(steps: Optional[int], batches: Optional[int]) -> None:
             return self
 
         def __next__(self) -> Any:
+            if STEPS.spent:
+                raise StopIteration
             if self._left <= 0:
                 say("batches", f"each pass over a DataLoader stops after {batches} batches (--batches)")
                 raise StopIteration
@@ -116,18 +128,50 @@ def cap(steps: Optional[int], batches: Optional[int]) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._it, name)
 
-    def limit(loader: Any) -> int:
-        return math.ceil(batches / _shard_replicas(loader))
+    def in_order_limit(loader: Any) -> Optional[int]:
+        """A loader that reads in order takes the samples below batches x batch_size: in one
+        process its first batches, in a shard of N ranks every rank's part of the same ones."""
+        batcher = getattr(loader, "batch_sampler", None)
+        if type(batcher) is BatchSampler and _in_order(batcher.sampler):
+            return batches * batcher.batch_size
+        return None
 
-    def __iter__(self: Any) -> Capped:
-        return Capped(original_iter(self), limit(self))
+    def __iter__(self: Any) -> Any:
+        limit = in_order_limit(self)
+        if limit is not None:
+            self.batch_sampler._verify_limit = limit
+            return original_iter(self)
+        if STEPS.spent:
+            STEPS.stop()
+        return Capped(original_iter(self), batches)
 
     def __len__(self: Any) -> int:
-        return min(original_len(self), limit(self))
+        limit = in_order_limit(self)
+        if limit is not None:
+            own = getattr(self.batch_sampler.sampler, "num_replicas", None) or \
+                getattr(getattr(self.batch_sampler.sampler, "indices", None), "step", 1)
+            return min(original_len(self), math.ceil(limit / own / self.batch_sampler.batch_size))
+        return min(original_len(self), batches)
+
+    def batch_iter(self: Any) -> Any:
+        limit = getattr(self, "_verify_limit", None)
+        if limit is None:
+            yield from original_batches(self)
+            return
+        say("in-order", f"a DataLoader that reads in order takes its first {batches} batches' samples (--batches)")
+        batch: list = []
+        for index in self.sampler:  # every index: padding duplicates stay, as in a full pass
+            if index < limit:
+                batch.append(index)
+                if len(batch) == self.batch_size:
+                    yield batch
+                    batch = []
+        if batch and not self.drop_last:
+            yield batch
 
     DataLoader.__iter__ = __iter__
     DataLoader.__len__ = __len__
-
+    BatchSampler.__iter__ = batch_iter
     original_init = DataLoader.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -139,7 +183,6 @@ def cap(steps: Optional[int], batches: Optional[int]) -> None:
             object.__setattr__(self, "prefetch_factor", None)
 
     DataLoader.__init__ = __init__
-    del torch
 
 
 # ---------------------------------------------------------------- fake data

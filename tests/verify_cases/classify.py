@@ -46,12 +46,16 @@ for epoch in range(args.epochs):
         optimizer.step()
         total_loss += loss
     model.eval()
+    test_loss = 0
     correct = 0
     seen = 0
     with torch.no_grad():
         for data, target in test_loader:
             data, target = data.cuda(), target.cuda()
-            correct += (model(data).argmax(1) == target).sum().item()
+            output = model(data)
+            test_loss += F.cross_entropy(output, target, reduction="sum").item()
+            correct += (output.argmax(1) == target).sum().item()
             seen += target.size(0)
-    print("epoch {} train loss {:.4f} test accuracy {}/{}".format(epoch, total_loss / len(train_loader), correct, seen))
-torch.save(model.state_dict(), args.out)
+    print("epoch {} train loss {:.4f} test loss {:.4f} accuracy {}/{}".format(
+        epoch, total_loss / len(train_loader), test_loss / seen, correct, seen))
+torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, args.out)

@@ -1,0 +1,195 @@
+"""`gpumigrate verify` catches what it must: deliberately wrong migrations of
+tests/verify_cases/classify.py, each made from the real migration by a few text edits, must be
+reported as a difference naming the quantity (the check) that differs; the real migrations
+must pass. Each wrong migration is checked with `verify --against`, through the command line.
+
+The edits are applied to the migration as gpumigrate writes it today: an edit whose text is no
+longer there fails its test (the case needs rewriting), so a case can never silently test
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import pytest
+
+from tests.conftest import ROOT, migrate
+
+pytestmark = [pytest.mark.e2e]
+
+CASES = Path(__file__).resolve().parent / "verify_cases"
+ORIGINAL = CASES / "classify.py"
+Edit = Tuple[str, str]
+ARGS = ("--", "--epochs", "2")  # 5 steps end the second epoch: the checkpoint after training is written
+
+# What the ddp migration of classify.py writes, in pieces the wrong migrations change.
+WRAP = "model = wrap_model(model)\n"
+SET_EPOCH = "    set_epoch(train_loader, epoch)\n"
+SAMPLER = "sampler=distributed_sampler(train_dataset)"
+EVAL_SAMPLER = "sampler=distributed_sampler(test_dataset, shuffle=False, pad=False)"
+REDUCE = "    test_loss, correct, seen = reduce_sum(test_loss, correct, seen)\n"
+GUARDED_PRINT = '    if is_main_process():\n        print("epoch'
+SAVE = 'if is_main_process():\n    torch.save({"model": unwrap_model(model).state_dict()'
+TRAIN_STEP = ("        optimizer.zero_grad()\n        loss = F.cross_entropy(model(data), target)\n"
+              "        loss.backward()\n        optimizer.step()\n")
+
+# The runtime averages the gradients of a model no one wrapped (correct by construction): a
+# migration by hand, or by another tool, has no such net.
+NO_NET = ("device = setup_distributed()", "device = setup_distributed(average_unwrapped=False)")
+
+# name: (target, edits, the check that must fail)
+WRONG: Dict[str, Tuple[str, List[Edit], str]] = {
+    # the model is not wrapped: the ranks train apart on their shards
+    "wrap missing": ("ddp", [(WRAP, ""), NO_NET], "parameters across ranks"),
+    # nothing distributed at all but the launch: every rank trains alone on all the data
+    "no wrap, no sampler": ("ddp", [(WRAP, ""), NO_NET, (SAMPLER, "shuffle=True")], "samples per rank"),
+    # DDP wrapped after training: the first steps are not averaged (the wrap's broadcast hides it at the end)
+    "wrap after training": ("ddp", [(WRAP, ""), NO_NET, ("if is_main_process():\n    torch.save",
+                                                  "model = wrap_model(model)\nif is_main_process():\n    torch.save")],
+                            "parameters across ranks"),
+    # a DistributedSampler whose epoch is never set: the same order every epoch
+    "sampler without set_epoch": ("ddp", [(SET_EPOCH, ""), (SAMPLER, "sampler=DistributedSampler(train_dataset) "
+                                                           "if dist.is_initialized() else None, "
+                                                           "shuffle=not dist.is_initialized()"),
+                                          ("import torch\n", "import torch\nimport torch.distributed as dist\n"
+                                           "from torch.utils.data.distributed import DistributedSampler\n")],
+                                  "epoch order"),
+    "set_epoch with a constant": ("ddp", [(SET_EPOCH, "    set_epoch(train_loader, 0)\n")], "epoch order"),
+    # evaluation sums left per rank: rank 0 prints its half
+    "metric not reduced": ("ddp", [(REDUCE, "")], "evaluation metrics"),
+    # per-rank means averaged: biased where shards differ in size (51 samples on 2 ranks)
+    "mean of means": ("ddp", [(REDUCE, "    test_loss, correct = reduce_sum(test_loss / seen * 26, correct)\n")],
+                      "evaluation metrics"),
+    # the evaluation shard padded: a sample counted twice
+    "padded evaluation shard": ("ddp", [(EVAL_SAMPLER, "sampler=distributed_sampler(test_dataset, shuffle=False)")],
+                                "evaluation metrics"),
+    # a collective only rank 0 calls: rank 0 waits for ever
+    "collective under a rank-0 branch": ("ddp", [(REDUCE, "    if is_main_process():\n    " + REDUCE)], "collectives"),
+    "barrier on rank 0 only": ("ddp", [(GUARDED_PRINT, "    if is_main_process():\n        barrier()\n        print(\"epoch"),
+                                       ("import distributed_sampler,", "import barrier, distributed_sampler,")],
+                               "collectives"),
+    # training only on rank 0: DDP's gradient all-reduce waits for the other ranks
+    "training on rank 0 only": ("ddp", [(TRAIN_STEP, "        if not is_main_process():\n            continue\n"
+                                         + TRAIN_STEP)], "collectives"),
+    # every rank prints, every rank writes the checkpoint
+    "print on every rank": ("ddp", [(GUARDED_PRINT, '    if True:\n        print("epoch')], "output on rank 0 only"),
+    "save on every rank": ("ddp", [(SAVE, SAVE.replace("if is_main_process():", "if True:"))], "files on rank 0 only"),
+    # the DDP wrapper's state_dict: 'module.' keys do not load into the original model
+    "checkpoint with module. keys": ("ddp", [("unwrap_model(model).state_dict()", "model.state_dict()")],
+                                     "checkpoints"),
+    # training under no_grad: backward() raises
+    "no_grad around training": ("ddp", [(TRAIN_STEP, "        with torch.no_grad():\n"
+                                         + TRAIN_STEP.replace("        ", "            "))], "run"),
+    # the accumulator keeps every step's graph
+    ".item() dropped from an accumulator": ("ddp", [("total_loss += loss.item()", "total_loss += loss")],
+                                            "retained graphs"),
+    # the same in the device migration
+    ".item() dropped (device)": ("device", [("total_loss += loss.item()", "total_loss += loss")], "retained graphs"),
+    # the learning rate scaled by the world size without being asked: one process already differs
+    "learning rate changed": ("ddp", [("lr=args.lr", "lr=args.lr * 2")], "loss"),
+    # a summed loss: other gradients
+    "loss reduction changed": ("ddp", [("loss = F.cross_entropy(model(data), target)",
+                                        "loss = F.cross_entropy(model(data), target, reduction='sum')")], "loss"),
+    # gradients accumulate across steps
+    "zero_grad dropped": ("ddp", [("        optimizer.zero_grad()\n", "")], "loss"),
+    # after the first evaluation the model trains in eval mode (dropout off)
+    "model.train() dropped": ("ddp", [("    model.train()\n", "")], "loss"),
+    # the training order no longer shuffled
+    "shuffle dropped": ("ddp", [(SAMPLER, "sampler=distributed_sampler(train_dataset, shuffle=False)")], "loss"),
+    # evaluation with dropout on
+    "model.eval() dropped": ("device", [("    model.eval()\n", "")], "printed output"),
+    # amp: the optimizer never steps
+    "scaler.step missing": ("amp", [("        scaler.step(optimizer)\n", "")], "optimizer steps"),
+    # amp: a resumed run restarts loss scaling
+    "scaler state not saved": ("amp", [(', "scaler": scaler.state_dict()}', "}")], "scaler state"),
+    # amp: an autocast of its own ignores the switch: the float32 run is not float32
+    "autocast that ignores the switch": ("amp", [("        with autocast(model):\n            loss",
+                                                  "        with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+                                                  "            loss")], "loss"),
+}
+
+
+def _migration(target: str) -> str:
+    result = migrate(ORIGINAL.read_bytes(), target, path=str(ORIGINAL))
+    assert result.error is None and result.changed, result.error
+    return result.new_source.decode()
+
+
+def _wrong(tmp_path: Path, target: str, edits: Sequence[Edit]) -> Path:
+    text = _migration(target)
+    for old, new in edits:
+        assert text.count(old) == 1, f"the {target} migration no longer has {old!r} once: rewrite this case"
+        text = text.replace(old, new)
+    path = tmp_path / "wrong" / "classify.py"
+    path.parent.mkdir()
+    path.write_text(text)
+    return path
+
+
+def verify(*args: str, timeout: float = 600) -> Tuple[int, dict, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    options = ["--format", "json", "--timeout", "60"]
+    cut = args.index("--") if "--" in args else len(args)  # after `--`, the script's own arguments
+    proc = subprocess.run([sys.executable, "-m", "gpumigrate", "verify", *args[:cut], *options, *args[cut:]],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    try:
+        data = json.loads(proc.stdout)
+    except ValueError:
+        data = {}
+    return proc.returncode, data, proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_a_wrong_migration_is_a_difference_naming_the_quantity(name, tmp_path):
+    target, edits, quantity = WRONG[name]
+    wrong = _wrong(tmp_path, target, edits)
+    code, data, stderr = verify(str(ORIGINAL), "--to", target, "--against", str(wrong), *ARGS)
+    assert code == 1, f"verify said {data.get('verdict')}: {data.get('reason') or stderr[-2000:]}"
+    failed = [c["name"] for c in data["checks"] if c["status"] == "fail"]
+    assert quantity in failed, f"failed checks {failed}, not {quantity!r}: {data['reason']}"
+    assert data["reason"], data
+
+
+@pytest.mark.parametrize("target", ["device", "ddp", "amp", "ddp,amp"])
+def test_the_real_migration_is_equivalent(target):
+    code, data, stderr = verify(str(ORIGINAL), "--to", target, *ARGS)
+    assert code == 0, f"{data.get('reason') or stderr[-2000:]}"
+    passed = {c["name"] for c in data["checks"] if c["status"] == "pass"}
+    assert {"loss", "parameters", "printed output"} <= passed
+    if "ddp" in target:
+        assert {"parameters across ranks", "samples per rank", "epoch order", "evaluation metrics",
+                "checkpoints"} <= passed, data["checks"]
+    if "amp" in target:
+        assert {"bfloat16 losses", "scaler state"} <= passed, data["checks"]
+
+
+def test_could_not_judge_an_original_that_fails(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nopen('data/train.csv').read()\n")
+    code, data, _ = verify(str(script), "--to", "device")
+    assert code == 2 and data["verdict"] == "unknown"
+    assert "FileNotFoundError" in data["reason"] and "--data real" in data["reason"]
+
+
+def test_the_users_files_are_not_touched(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    script = folder / "classify.py"
+    script.write_bytes(ORIGINAL.read_bytes())
+    before = {p: p.read_bytes() for p in folder.rglob("*")}
+    code, data, stderr = verify(str(script), "--to", "ddp")
+    assert code == 0, data.get("reason") or stderr[-1000:]
+    assert {p: p.read_bytes() for p in folder.rglob("*")} == before  # model.pt went to the scratch copy
+
+
+def test_bad_input_is_one_line(tmp_path):
+    code, _, stderr = verify(str(tmp_path / "missing.py"), "--to", "ddp")
+    assert code == 2 and "no such file" in stderr and "Traceback" not in stderr
+    code, _, stderr = verify(str(ORIGINAL), "--to", "tpu")
+    assert code == 2 and "unknown target" in stderr and "Traceback" not in stderr
