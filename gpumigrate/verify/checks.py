@@ -291,32 +291,32 @@ def _line_differs(x: str, y: str, rtol: float = 1e-5) -> Optional[str]:
 # ---------------------------------------------------------------- graphs kept across steps
 
 def retained_graphs(run: "Probed", base: "Probed") -> Check:
-    """A name whose autograd graph grows at 3 steps in a row keeps every step's graph
-    (`total += loss` without `.item()`): memory grows until it runs out."""
+    """A name that still holds the autograd graph of the step before (`total += loss` without
+    `.item()`) keeps every step's graph: memory grows until it runs out."""
     scans = run.rank(0).get("retained") or []
-    if len(scans) < 3:
-        return Check("retained graphs", "skip", f"{len(scans)} steps measured (3 needed)")
-    growing = _growing(scans)
-    if not growing:
-        return Check("retained graphs", "pass", f"no name holds a graph that grows over {len(scans)} steps")
-    key, (nodes, line) = growing[0]
-    _, function, name = key.split(":", 2)
-    also = " (as in the original)" if key in dict(_growing(base.rank(0).get("retained") or [])) else ""
-    file = key.split(":", 1)[0]
-    return Check("retained graphs", "fail", f"`{name}` in {function}() keeps the autograd graph of every step "
-                 f"({nodes} nodes after {len(scans)} steps){also}: accumulate `.item()`", f"{file}:{line}",
-                 {"name": name, "nodes": nodes})
+    if len(scans) < 2:
+        return Check("retained graphs", "skip", f"{len(scans)} steps measured (2 needed)")
+    found = [(key, line) for scan in scans for key, line in scan.items()]
+    if not found:
+        return Check("retained graphs", "pass", f"no name holds the graph of an earlier step ({len(scans)} steps)")
+    key, line = found[0]
+    file, function, name = key.split(":", 2)
+    original = {k for scan in base.rank(0).get("retained") or [] for k in scan}
+    also = " (as the original does)" if key in original else ""
+    where = "at module level" if function == "<module>" else f"in {function}()"
+    return Check("retained graphs", "fail", f"`{name}` {where} keeps the autograd graph of earlier steps{also}: "
+                 f"accumulate `.item()` or a detached tensor", f"{file}:{_adds_to(run, file, name) or line}",
+                 {"name": name})
 
 
-def _growing(scans: List[dict]) -> List[Tuple[str, list]]:
-    found = []
-    for key in {k for scan in scans for k in scan}:
-        series = [scan.get(key, [0, None]) for scan in scans]
-        for i in range(len(series) - 2):
-            if series[i][0] < series[i + 1][0] < series[i + 2][0] and series[i][0]:
-                found.append((key, series[i + 2]))
-                break
-    return sorted(found)
+def _adds_to(run: "Probed", file: str, name: str) -> Optional[int]:
+    """The first line of `file` (beside the run's script) that adds to `name`."""
+    try:
+        lines = (run.script.parent / file).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    adds = re.compile(rf"\b{re.escape(name)}(\s*\+=|\s*=\s*{re.escape(name)}\s*\+|(\[[^]]*\])?\.(append|extend)\()")
+    return next((i for i, text in enumerate(lines, 1) if adds.search(text)), None)
 
 
 # ---------------------------------------------------------------- ddp

@@ -429,7 +429,6 @@ def _describe_extras(out_dir: Path, rank: int) -> dict:
 MAX_LINES = 20000
 MAX_STEP_RECORDS = 2000
 GRAPH_SCAN_STEPS = 12      # steps whose live autograd graphs are measured (a leak shows in a few)
-GRAPH_NODE_LIMIT = 20000
 
 
 class Verify:
@@ -443,9 +442,9 @@ class Verify:
       eval mode and closes at its `train()` or the next step; printed lines carry their
       window's number, and at the first one the module's state_dict (DDP unwrapped) is saved
       as OUT_DIR/rank{RANK}_eval.pt, so one process can evaluate the same weights;
-    * `retained`: per step (the first few), for each name in the script's frames that holds
-      tensors with an autograd graph (a tensor, or a list or dict of them), how many graph
-      nodes it keeps alive: a count that grows step after step is a graph kept across steps;
+    * `retained`: per step (the first few), the names in the script's frames (a tensor, or a
+      list or dict of them) that still hold the graph of the step before: a graph kept across
+      steps, which grows until memory runs out;
     * `writes`: files opened for writing with open();
     * a stall watchdog: in a process group, a rank that makes no progress (no forward, no
       step, no batch) for `stall` seconds writes where it waits and exits with status 3.
@@ -471,6 +470,8 @@ class Verify:
         self.trained_count = -1
         self.backward_at: Optional[str] = None
         self.loss_dtypes: set = set()
+        self.roots: list = []            # this step's backward() roots
+        self.previous_roots: list = []   # the step before's
         self.scalers = 0
 
     def trained(self, module) -> bool:
@@ -513,6 +514,8 @@ def _record_loss(tensor) -> None:
         scale = VERIFY.scaled.pop(id(tensor), None)
         VERIFY.losses.append(value / scale if scale else value)
         VERIFY.loss_dtypes.add(str(tensor.dtype).replace("torch.", ""))
+        if tensor.grad_fn is not None and len(VERIFY.retained) < GRAPH_SCAN_STEPS:
+            VERIFY.roots.append(tensor.grad_fn)  # kept to the next step's scan: its id stays unique
         if VERIFY.backward_at is None:
             VERIFY.backward_at = _script_line(3)
 
@@ -553,51 +556,50 @@ def _patch_backward() -> None:
     torch.amp.GradScaler.__init__ = __init__
 
 
-def _graph_nodes(tensor, limit: int) -> int:
-    seen, todo = set(), [tensor.grad_fn]
+def _reaches(fn, roots: set, limit: int = 5000) -> bool:
+    """Does the autograd graph above node `fn` contain one of `roots` (ids of nodes)?"""
+    seen, todo = set(), [fn]
     while todo and len(seen) < limit:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
+        node = todo.pop()
+        if node is None or id(node) in seen:
             continue
-        seen.add(id(fn))
-        todo.extend(next_fn for next_fn, _ in getattr(fn, "next_functions", ()))
-    return len(seen)
+        if id(node) in roots:
+            return True
+        seen.add(id(node))
+        todo.extend(next_fn for next_fn, _ in getattr(node, "next_functions", ()))
+    return False
 
 
-def _held_graph(value, limit: int) -> int:
-    """Autograd graph nodes `value` keeps alive (a tensor, or a list/tuple/dict of them)."""
+def _holds(value, roots: set, depth: int = 0) -> bool:
+    """Does `value` (a tensor, or lists, tuples and dicts of them) keep one of `roots` alive?"""
     if isinstance(value, torch.Tensor):
-        return _graph_nodes(value, limit) if value.grad_fn is not None else 0
-    if isinstance(value, dict):
-        value = list(value.values())[:1000]
-    if isinstance(value, (list, tuple)):
-        total = 0
-        for item in value[-1000:]:
-            if isinstance(item, torch.Tensor) and item.grad_fn is not None:
-                total += 1 + _graph_nodes(item, 50)
-            elif isinstance(item, (list, tuple)) and item and isinstance(item[-1], torch.Tensor):
-                total += sum(1 for t in item[-100:] if isinstance(t, torch.Tensor) and t.grad_fn is not None)
-        return total
-    return 0
+        return value.grad_fn is not None and _reaches(value.grad_fn, roots)
+    if depth < 2 and isinstance(value, dict):
+        return any(_holds(v, roots, depth + 1) for v in list(value.values())[-100:])
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(_holds(v, roots, depth + 1) for v in value[-100:])
+    return False
 
 
 def _scan_graphs() -> None:
-    """The names in the script's own frames that hold autograd graphs after this step."""
+    """The names in the script's own frames that, after this step, still hold the graph of the
+    step before (the graph of the loss it called backward() on): `total += loss` and
+    `losses.append(loss)` without `.item()`."""
     held: dict = {}
+    roots = {id(fn) for fn in VERIFY.previous_roots}
     frame = sys._getframe(2)
-    while frame is not None:
+    while roots and frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(VERIFY.script_dir):
             names = frame.f_globals if frame.f_code.co_name == "<module>" else frame.f_locals
             for name, value in list(names.items()):
                 if isinstance(value, nn.Module) or name.startswith("__"):
                     continue
-                nodes = _held_graph(value, GRAPH_NODE_LIMIT)
-                if nodes:
-                    key = f"{os.path.basename(filename)}:{frame.f_code.co_name}:{name}"
-                    held[key] = [nodes, frame.f_lineno]
+                if _holds(value, roots):
+                    held[f"{os.path.basename(filename)}:{frame.f_code.co_name}:{name}"] = frame.f_lineno
         frame = frame.f_back
     VERIFY.retained.append(held)
+    VERIFY.previous_roots, VERIFY.roots = VERIFY.roots, []
 
 
 def _patch_verify_steps() -> None:
