@@ -31,6 +31,10 @@ entry, in a scratch copy of its files (the script and the sibling modules it imp
      failed too: a crash the original does not have is the bad kind);
    - no training: gpumigrate found no training (evaluation or helper file).
 
+With `--verify`, each entry goes through `gpumigrate verify --to device` and `--to ddp` instead
+(verify's own runs, fake data and checks; the table says equivalent, different or could not
+judge, with the reason).
+
 Manifest fields used besides repo/commit/path/extra_files: `args` (placeholders {text_file} and
 {fake_imagefolder} are filled in), `fake_dirs` ({path: "images" | "imagefolder" | "text" |
 "cora" | "dir"}: data made in the scratch copy before the runs), `pythonpath` (folders of the repository
@@ -466,6 +470,64 @@ def run_entry(entry: dict, args, corpus: Path, scratch: Path) -> dict:
     return rec
 
 
+# ---------------------------------------------------------------- through `gpumigrate verify`
+
+VERIFY_TARGETS = ("device", "ddp")
+
+
+def verify_entry(entry: dict, args, corpus: Path, scratch: Path) -> dict:
+    """`gpumigrate verify SCRIPT --to T` for each target, in a copy of the entry's files with
+    its fake data made (verify fakes torchvision datasets itself)."""
+    name = entry["name"]
+    base = scratch / name / "verify"
+    if base.exists():
+        shutil.rmtree(base)
+    copy_files(entry, corpus, base)
+    for rel, kind in entry.get("fake_dirs", {}).items():
+        make_fake(kind, base / rel)
+    script = base / entry["path"]
+    cwd = base if entry.get("cwd") == "root" else script.parent
+    make_fake("text", cwd / "_practice_text.txt")
+    run_args = [a.replace("{text_file}", "_practice_text.txt").replace("{fake_imagefolder}", "_practice_imagenet")
+                for a in entry.get("args", [])]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("PYTHON")}
+    env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", MPLBACKEND="Agg", PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python",
+               PYTHONPATH=os.pathsep.join([str(args.gm_root), *[str(base / p) for p in entry.get("pythonpath", [])]]))
+    rec = {"name": name, "repo": entry["repo"], "path": entry["path"], "kind": entry.get("kind", ""), "targets": {}}
+    for target in VERIFY_TARGETS:
+        cmd = [args.python, "-m", "gpumigrate", "verify", str(script), "--to", target, "--format", "json",
+               "--timeout", str(args.timeout), "--", *run_args]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, env=env)
+        try:
+            data = json.loads(proc.stdout)
+        except ValueError:
+            data = {"verdict": "error", "reason": (proc.stderr.strip().splitlines() or ["(no output)"])[-1]}
+        rec["targets"][target] = {"exit": proc.returncode, "verdict": data.get("verdict"), "reason": data.get("reason"),
+                                  "seconds": round(time.perf_counter() - start, 1),
+                                  "failed": [c["name"] for c in data.get("checks", []) if c["status"] == "fail"],
+                                  "passed": [c["name"] for c in data.get("checks", []) if c["status"] == "pass"]}
+    return rec
+
+
+def verify_markdown(records: List[dict], header: str) -> str:
+    lines = [header, "", "| # | script | " + " | ".join(f"--to {t}" for t in VERIFY_TARGETS) + " |",
+             "|---|---|" + "---|" * len(VERIFY_TARGETS)]
+    cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    for i, rec in enumerate(records, 1):
+        parts = []
+        for t in VERIFY_TARGETS:
+            r = rec["targets"][t]
+            parts.append(f"**{r['verdict']}** ({r['seconds']:.0f} s): {cell((r['reason'] or '')[:220])}")
+        lines.append(f"| {i} | `{rec['name']}` ({rec['repo']}: {rec['path']}) | " + " | ".join(parts) + " |")
+    lines.append("")
+    for t in VERIFY_TARGETS:
+        counts = {v: sum(r["targets"][t]["verdict"] == v for r in records)
+                  for v in ("equivalent", "different", "unknown", "error")}
+        lines.append(f"--to {t}: " + ", ".join(f"{v} {n}" for v, n in counts.items()) + f" ({len(records)} scripts)")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- output
 
 OUTCOMES = ("data-parallel", "sync-only", "independent", "declined", "crash", "no training")
@@ -510,6 +572,8 @@ def main(argv=None) -> int:
                         "(`git archive` into the scratch folder), not this work tree with its uncommitted edits")
     parser.add_argument("--reclassify", type=Path, metavar="JSON",
                         help="no runs: classify again the records of JSON from the probe reports in the scratch folder")
+    parser.add_argument("--verify", action="store_true",
+                        help="instead of the probe runs: `gpumigrate verify --to device` and `--to ddp` on each entry")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.reclassify:
@@ -550,6 +614,19 @@ def main(argv=None) -> int:
                                       capture_output=True, text=True).stdout.strip():
         commit += " + uncommitted edits of the work tree"
     records = []
+    if args.verify:
+        for entry in entries:
+            rec = verify_entry(entry, args, args.corpus, args.scratch)
+            records.append(rec)
+            print(f"{rec['name']:28} " + "  ".join(f"{t} {r['verdict']} {r['seconds']:.0f}s: {(r['reason'] or '')[:90]}"
+                                                   for t, r in rec["targets"].items()), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps({"commit": commit, "records": records}, indent=1))
+        text = verify_markdown(records, f"`gpumigrate verify` at `{commit}`; runs with {args.python}")
+        print(text)
+        if args.md:
+            args.md.write_text(text)
+        return 0
     for entry in entries:
         rec = run_entry(entry, args, args.corpus, args.scratch)
         records.append(rec)

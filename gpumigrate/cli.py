@@ -677,6 +677,9 @@ def explain(code: str) -> None:
 @click.option("--nproc", type=click.IntRange(2, 64), default=2, show_default=True, help="Ranks of the torchrun run.")
 @click.option("--timeout", type=click.FloatRange(1, 86400), default=300.0, show_default=True,
               help="Seconds each run may take.")
+@click.option("--stall", type=click.FloatRange(1, 86400), default=None,
+              help="Seconds a rank may go without progress before it counts as hung (default: a third of --timeout, "
+                   "at least 30).")
 @click.option("--data", type=click.Choice(["fake", "real"]), default="fake", show_default=True,
               help="fake: torchvision datasets become small random ones; real: the script's own data.")
 @click.option("--samples", type=click.IntRange(8, 1_000_000), default=64, show_default=True,
@@ -684,7 +687,7 @@ def explain(code: str) -> None:
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--keep", is_flag=True, help="Keep the scratch folder of the runs (printed) for a look.")
 def verify(script: str, script_args: Tuple[str, ...], target: str, against: Optional[str], steps: int, batches: int,
-           nproc: int, timeout: float, data: str, samples: int, fmt: str, keep: bool) -> None:
+           nproc: int, timeout: float, stall: Optional[float], data: str, samples: int, fmt: str, keep: bool) -> None:
     """Run SCRIPT and its migration side by side for a few steps, on this machine's CPU, and
     say whether they train the same.
 
@@ -705,7 +708,8 @@ def verify(script: str, script_args: Tuple[str, ...], target: str, against: Opti
     except TargetError as exc:
         raise click.BadParameter(str(exc), param_hint="--to") from None
     opts = Options(script=Path(script), target=target, args=list(script_args), against=Path(against) if against else None,
-                   steps=steps, batches=batches, nproc=nproc, timeout=timeout, data=data, samples=samples, keep=keep)
+                   steps=steps, batches=batches, nproc=nproc, timeout=timeout, stall=stall, data=data, samples=samples,
+                   keep=keep)
     tty = sys.stderr.isatty()
     try:
         verdict = run_verify(opts, progress=(lambda text: _err(f"verify: {text}")) if tty else None)

@@ -193,3 +193,41 @@ def test_bad_input_is_one_line(tmp_path):
     assert code == 2 and "no such file" in stderr and "Traceback" not in stderr
     code, _, stderr = verify(str(ORIGINAL), "--to", "tpu")
     assert code == 2 and "unknown target" in stderr and "Traceback" not in stderr
+
+
+HANG = '''\
+import time
+import torch
+import torch.distributed as dist
+from gpumigrate.runtime import get_rank, setup_distributed, wrap_model
+
+device = setup_distributed()
+model = wrap_model(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+if get_rank() == 0:
+    dist.barrier()
+else:
+    time.sleep(600)
+'''
+
+
+def test_a_hang_is_reported_with_where_each_rank_waits(tmp_path):
+    """No error anywhere, rank 0 waits for a barrier rank 1 never reaches: the stall watchdog
+    turns the hang into a report (in --stall seconds, not --timeout)."""
+    original = tmp_path / "train.py"
+    original.write_text("import torch\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                        "for step in range(3):\n    opt.zero_grad()\n    model(torch.randn(8, 4)).sum().backward()\n"
+                        "    opt.step()\n")
+    wrong = tmp_path / "wrong" / "train.py"
+    wrong.parent.mkdir()
+    wrong.write_text(HANG)
+    code, data, stderr = verify(str(original), "--to", "ddp", "--against", str(wrong), "--stall", "5")
+    assert code == 1, data.get("reason") or stderr[-1000:]
+    check = next(c for c in data["checks"] if c["name"] == "collectives")
+    assert check["status"] == "fail" and "rank 0 waits at train.py:14" in check["detail"], check
+    assert "rank 1 waits at train.py:16" in check["detail"], check
+    assert data["runs"]["torchrun"]["seconds"] < 40

@@ -323,8 +323,6 @@ def _adds_to(run: "Probed", file: str, name: str) -> Optional[int]:
 
 def ddp_checks(session: "Session", base: "Probed", dist: "Probed") -> List[Check]:
     n = dist.nproc
-    if _stalled(dist):
-        return [_hang(dist)]
     mismatch = _collective_mismatch(dist)
     if mismatch is not None:
         return [mismatch]
@@ -345,32 +343,15 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed") -> List[Check
     return checks
 
 
-def _hang(dist: "Probed") -> Check:
-    parts, line = [], None
-    for rank, rep in sorted(dist.ranks.items()):
-        err = rep.get("error") or {}
-        if err.get("type") == "Stall":
-            where = _stall_where(err.get("traceback", ""), dist)
-            parts.append(f"rank {rank} waits at {where or 'a line outside the script'}")
-            line = line or where
-        elif err:
-            parts.append(f"rank {rank} failed: {err['type']}")
-        else:
-            parts.append(f"rank {rank} finished")
-    missing = sorted(set(range(dist.nproc)) - set(dist.ranks))
-    parts += [f"rank {r} left no report" for r in missing]
-    return Check("collectives", "fail", "the ranks do not call the same collectives: " + "; ".join(parts), line)
-
-
 PEER_GONE = re.compile(r"Connection (reset|closed) by peer|remote worker|stopping rank|failed \(|collective mismatch|"
                        r"Socket Timeout|wait timeout|Timed out waiting", re.I)
 
 
 def _collective_mismatch(dist: "Probed") -> Optional[Check]:
-    """Ranks that lost their peers inside a collective (gloo raises when a peer ends; torchrun
-    then stops the rest), with no rank failing on its own: the ranks did not call the same
-    collectives. Where each rank was comes from its error or from the stack it dumped when
-    it was stopped."""
+    """Ranks stuck in a collective (the stall watchdog's report), or that lost their peers
+    inside one (gloo raises, or aborts, when a peer ends or calls another; torchrun then stops
+    the rest), with no rank failing on its own: the ranks did not call the same collectives.
+    Where each rank was comes from its error or from the stack it dumped when stopped."""
     parts, line, waiting = [], None, 0
     for rank in range(dist.nproc):
         rep = dist.ranks.get(rank)
@@ -378,9 +359,12 @@ def _collective_mismatch(dist: "Probed") -> Optional[Check]:
         if rep is not None and err is None:
             parts.append(f"rank {rank} finished")
             continue
-        if err is not None and not PEER_GONE.search(str(err.get("message"))):
+        stalled = err is not None and err.get("type") == "Stall"
+        if err is not None and not stalled and not PEER_GONE.search(str(err.get("message"))):
             return None  # a rank failed on its own: that is the error to show
-        if err is not None:
+        if stalled:
+            where = _stall_where(err.get("traceback", ""), dist)
+        elif err is not None:
             where = dist.where(err.get("traceback", ""))
         else:
             dump = dist.out / f"rank{rank}_terminated.txt"
@@ -394,14 +378,13 @@ def _collective_mismatch(dist: "Probed") -> Optional[Check]:
 
 
 def _stall_where(dump: str, run: "Probed") -> Optional[str]:
-    """The script's innermost line in the main thread's stack of a faulthandler dump."""
+    """The script's innermost line in a faulthandler dump (each thread's innermost frame
+    first; only the thread that runs the script has frames of it)."""
     root = str(run.script.parent) + os.sep
-    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
-        if "Current thread" in block.splitlines()[0] if block.strip() else False:
-            continue  # the watchdog's own thread
+    for block in re.split(r"\n\s*\n", dump):
         for path, line in re.findall(r'File "([^"]+)", line (\d+)', block):
             if path.startswith(root):
-                return f"{os.path.relpath(path, root)}:{line}"  # faulthandler lists the innermost first
+                return f"{os.path.relpath(path, root)}:{line}"
     return None
 
 

@@ -52,7 +52,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # torch.use_deterministic_algorithms also sets inductor's flag, importing torch._dynamo:
+    # 1.4 s per run. The kernels' switch alone (a script that compiles keeps inductor's default).
+    set_deterministic = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_deterministic is not None:
+        set_deterministic(True, warn_only=True)
+    else:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     _after_import("numpy", lambda np: np.random.seed(seed))
 
 
@@ -451,8 +457,15 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+def _numpy_aliases(np: Any) -> None:
+    """Aliases numpy 2 removed that libraries still in use call (gym 0.26's np.bool8)."""
+    if not hasattr(np, "bool8"):
+        np.bool8 = np.bool_
+
+
 def install(config: Dict[str, Any]) -> None:
     """Everything `config` (the verify run's settings) asks for."""
+    _after_import("numpy", _numpy_aliases)
     if config.get("seed") is not None:
         seed_everything(int(config["seed"]))
     if config.get("emulate"):
