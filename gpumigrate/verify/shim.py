@@ -1,7 +1,8 @@
 """What a verify run changes around a script, from the outside, so that it runs briefly,
 offline, deterministically and on a CPU, without a byte of the script edited.
 
-* `seed`: Python's, torch's and numpy's generators seeded, deterministic algorithms, one thread.
+* `seed`: Python's, torch's and numpy's generators seeded (and gym's environments), the
+  kernels' deterministic algorithms, one thread.
 * `cap`: at most `steps` optimizer steps (all optimizers counted together): then the training
   pass ends, its evaluation runs, and the next training pass ends the script with
   SystemExit(0), as a script whose epochs are hard-coded needs; and at most `batches` batches
@@ -60,6 +61,22 @@ def seed_everything(seed: int) -> None:
     else:
         torch.use_deterministic_algorithms(True, warn_only=True)
     _after_import("numpy", lambda np: np.random.seed(seed))
+    for gym in ("gym.utils.seeding", "gymnasium.utils.seeding"):
+        _after_import(gym, _seeded_environments(seed))
+
+
+def _seeded_environments(seed: int) -> Callable[[Any], None]:
+    """An environment or action space that draws its own seed from the OS (gym, gymnasium)
+    gets `seed` instead: episodes repeat from run to run."""
+    def patch(seeding: Any) -> None:
+        original = seeding.np_random
+
+        def np_random(seed_: Any = None) -> Any:
+            return original(seed if seed_ is None else seed_)
+
+        seeding.np_random = np_random
+
+    return patch
 
 
 # ---------------------------------------------------------------- caps
