@@ -685,9 +685,12 @@ def explain(code: str) -> None:
 @click.option("--samples", type=click.IntRange(8, 1_000_000), default=64, show_default=True,
               help="Training samples of a faked dataset (other splits get a quarter).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--no-cache", "no_cache", is_flag=True, help="Run the original again even if its run is cached.")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first difference (the later runs are not made).")
 @click.option("--keep", is_flag=True, help="Keep the scratch folder of the runs (printed) for a look.")
 def verify(script: str, script_args: Tuple[str, ...], target: str, against: Optional[str], steps: int, batches: int,
-           nproc: int, timeout: float, stall: Optional[float], data: str, samples: int, fmt: str, keep: bool) -> None:
+           nproc: int, timeout: float, stall: Optional[float], data: str, samples: int, fmt: str, no_cache: bool,
+           fail_fast: bool, keep: bool) -> None:
     """Run SCRIPT and its migration side by side for a few steps, on this machine's CPU, and
     say whether they train the same.
 
@@ -709,7 +712,7 @@ def verify(script: str, script_args: Tuple[str, ...], target: str, against: Opti
         raise click.BadParameter(str(exc), param_hint="--to") from None
     opts = Options(script=Path(script), target=target, args=list(script_args), against=Path(against) if against else None,
                    steps=steps, batches=batches, nproc=nproc, timeout=timeout, stall=stall, data=data, samples=samples,
-                   keep=keep)
+                   keep=keep, fail_fast=fail_fast, cache=not no_cache)
     tty = sys.stderr.isatty()
     try:
         verdict = run_verify(opts, progress=(lambda text: _err(f"verify: {text}")) if tty else None)

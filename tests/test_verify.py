@@ -149,7 +149,7 @@ def verify(*args: str, timeout: float = 600) -> Tuple[int, dict, str]:
 def test_a_wrong_migration_is_a_difference_naming_the_quantity(name, tmp_path):
     target, edits, quantity = WRONG[name]
     wrong = _wrong(tmp_path, target, edits)
-    code, data, stderr = verify(str(ORIGINAL), "--to", target, "--against", str(wrong), *ARGS)
+    code, data, stderr = verify(str(ORIGINAL), "--to", target, "--against", str(wrong), "--fail-fast", *ARGS)
     assert code == 1, f"verify said {data.get('verdict')}: {data.get('reason') or stderr[-2000:]}"
     failed = [c["name"] for c in data["checks"] if c["status"] == "fail"]
     assert quantity in failed, f"failed checks {failed}, not {quantity!r}: {data['reason']}"

@@ -80,15 +80,24 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
     checks += _unless_noise(session, base, same_run(base, single, "migrated, one process"
                                                      + (", GPUMIGRATE_AMP=off" if amp else "")))
     checks.append(retained_graphs(single, base))
-    if "ddp" in targets:
+
+    def settled() -> bool:  # --fail-fast: the runs after the first difference are not made
+        return opts.fail_fast and any(c.status == "fail" for c in checks)
+
+    if "ddp" in targets and not settled():
         dist = session.run("torchrun", original=False, nproc=opts.nproc, env=full)
         verdict.runs["torchrun"] = dist.summary()
-        checks += ddp_checks(session, base, dist)
-    if amp:
+        checks += ddp_checks(session, base, dist, opts.fail_fast)
+    if amp and not settled():
         bf16 = session.run("bf16", original=False, env={"GPUMIGRATE_AMP": "bf16"})
         verdict.runs["bf16"] = bf16.summary()
         checks.append(bf16_band(base, bf16))
         checks.append(scaler_state([single, *([session.runs["torchrun"]] if "torchrun" in session.runs else [])]))
+    return _conclude(verdict, session)
+
+
+def _conclude(verdict: Verdict, session: "Session") -> Verdict:
+    checks = verdict.checks
     failed = [c for c in checks if c.status == "fail"]
     timed_out = [r for r in session.runs.values() if r.returncode is None and not _stalled(r)]
     if failed:
@@ -340,7 +349,7 @@ def _adds_to(run: "Probed", file: str, name: str) -> Optional[int]:
 
 # ---------------------------------------------------------------- ddp
 
-def ddp_checks(session: "Session", base: "Probed", dist: "Probed") -> List[Check]:
+def ddp_checks(session: "Session", base: "Probed", dist: "Probed", fail_fast: bool = False) -> List[Check]:
     n = dist.nproc
     mismatch = _collective_mismatch(dist)
     if mismatch is not None:
@@ -356,6 +365,8 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed") -> List[Check
     checks.append(_epoch_order(dist))
     checks.append(_rank0_output(dist))
     checks.append(_rank0_files(dist))
+    if fail_fast and any(c.status == "fail" for c in checks):
+        return checks
     ref = _reference(session, dist)
     checks.append(_metrics(dist, ref, base))
     checks.append(_checkpoints(dist, ref))

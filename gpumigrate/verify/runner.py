@@ -14,6 +14,7 @@ The user's files are only read: everything a run writes lands in its own copy or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -57,6 +58,8 @@ class Options:
     samples: int = 64
     stall: Optional[float] = None   # seconds without progress that mean a hang (default: from timeout)
     keep: bool = False              # leave the scratch folder (debugging)
+    fail_fast: bool = False         # stop at the first difference
+    cache: bool = True              # the original's run from the cache when its folder is unchanged
 
 
 @dataclass
@@ -212,7 +215,37 @@ class Session:
 
     def run_original(self) -> Probed:
         """The original in one process. Where it fails, once more without the batch cap (a
-        loop that steps every k batches), then with the older torch.full: the first that runs."""
+        loop that steps every k batches), then with the older torch.full: the first that runs.
+        A run that worked is kept in the cache, keyed by the folder's content and the options:
+        verifying another migration of the same script does not run the original again."""
+        key = self._original_key() if self.opts.cache else None
+        cached = _load_cached(key) if key else None
+        if cached is not None:
+            base, self.batches, self.emulate = cached
+            self.runs["original"] = base
+            self.progress("the original's run: from the cache")
+            return base
+        base = self._run_original()
+        if key and base.ok:
+            _store_cached(key, base, self.batches, self.emulate)
+        return base
+
+    def _original_key(self) -> str:
+        digest = hashlib.sha256()
+        tree = self.root / "original"
+        for path in sorted(tree.rglob("*")):
+            rel = path.relative_to(tree).as_posix()
+            if path.is_symlink():
+                st = path.stat()
+                digest.update(f"{rel}|link|{os.readlink(path)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+            elif path.is_file():
+                digest.update(f"{rel}|{hashlib.sha256(path.read_bytes()).hexdigest()}\n".encode())
+        config = {k: v for k, v in self.config(True, False).items() if k != "scratch"}
+        digest.update(json.dumps([str(self.original.relative_to(tree)), list(self.opts.args), config,
+                                  self.opts.timeout, sys.version, _torch_version(), _code_fingerprint()]).encode())
+        return digest.hexdigest()[:32]
+
+    def _run_original(self) -> Probed:
         base = self.run("original", original=True)
         for attempt, (key, value) in enumerate((("batches", None), ("emulate", 2)), 2):
             error = (base.rank(0).get("error") or {}).get("type")
@@ -248,6 +281,56 @@ class Session:
             probed.ranks[data["rank"]] = data
         self.runs[name] = probed
         return probed
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "?"
+
+
+def _code_fingerprint() -> str:
+    """The probe, the shim and the runtime: a change to any of them changes what a run records."""
+    digest = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for path in sorted([*here.glob("*.py"), *(here.parent / "runtime").glob("*.py")]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cache_folder(key: str) -> Path:
+    from gpumigrate.rewriter.cache import cache_dir
+    return Path(cache_dir()) / "verify" / key
+
+
+def _load_cached(key: str) -> Optional[tuple]:
+    folder = _cache_folder(key)
+    try:
+        meta = json.loads((folder / "run.json").read_text())
+        ranks = {int(r): json.loads((folder / f"rank{r}.json").read_text()) for r in meta["ranks"]}
+    except (OSError, ValueError, KeyError):
+        return None
+    run = Probed("original", 1, meta["returncode"], meta["stdout"], meta["stderr"], meta["seconds"],
+                 Path(meta["work"]), Path(meta["script"]), folder, meta["timeout"], ranks)
+    return run, meta["batches"], meta["emulate"]
+
+
+def _store_cached(key: str, run: Probed, batches: Optional[int], emulate: int) -> None:
+    folder = _cache_folder(key)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=folder.parent))
+        for path in run.out.iterdir():
+            shutil.copy2(path, staging / path.name)
+        (staging / "run.json").write_text(json.dumps({
+            "returncode": run.returncode, "stdout": run.stdout, "stderr": run.stderr, "seconds": run.seconds,
+            "work": str(run.work), "script": str(run.script), "timeout": run.timeout, "ranks": sorted(run.ranks),
+            "batches": batches, "emulate": emulate}))
+        os.replace(staging, folder)
+    except OSError:  # a cache that cannot be written is no cache
+        shutil.rmtree(staging, ignore_errors=True) if "staging" in locals() else None
 
 
 def verify(opts: Options, progress: Optional[Callable[[str], None]] = None) -> "Verdict":

@@ -484,7 +484,9 @@ def install(config: Dict[str, Any]) -> None:
     """Everything `config` (the verify run's settings) asks for."""
     _after_import("numpy", _numpy_aliases)
     if config.get("seed") is not None:
-        seed_everything(int(config["seed"]))
+        # rank r draws from seed + r, as an unseeded script's ranks draw apart under torchrun;
+        # rank 0 draws what one process draws (what a script seeds itself stays its own)
+        seed_everything(int(config["seed"]) + int(os.environ.get("RANK", 0)))
     if config.get("emulate"):
         emulate_old_torch(int(config["emulate"]))
     if config.get("fake_data"):
