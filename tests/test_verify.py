@@ -63,9 +63,10 @@ WRONG: Dict[str, Tuple[str, List[Edit], str]] = {
     "set_epoch with a constant": ("ddp", [(SET_EPOCH, "    set_epoch(train_loader, 0)\n")], "epoch order"),
     # evaluation sums left per rank: rank 0 prints its half
     "metric not reduced": ("ddp", [(REDUCE, "")], "evaluation metrics"),
-    # per-rank means averaged: biased where shards differ in size (51 samples on 2 ranks)
-    "mean of means": ("ddp", [(REDUCE, "    test_loss, correct = reduce_sum(test_loss / seen * 26, correct)\n")],
-                      "evaluation metrics"),
+    # per-rank means averaged: biased where the shards differ in size (8 and 7 of 15 samples)
+    "mean of means": ("ddp", [(REDUCE, "    mean_loss, accuracy = reduce_mean(test_loss / seen, correct / seen)\n"
+                                       "    test_loss, correct = mean_loss * seen, int(round(accuracy * seen))\n"),
+                              ("reduce_sum,", "reduce_mean, reduce_sum,")], "evaluation metrics"),
     # the evaluation shard padded: a sample counted twice
     "padded evaluation shard": ("ddp", [(EVAL_SAMPLER, "sampler=distributed_sampler(test_dataset, shuffle=False)")],
                                 "evaluation metrics"),
@@ -231,3 +232,16 @@ def test_a_hang_is_reported_with_where_each_rank_waits(tmp_path):
     assert check["status"] == "fail" and "rank 0 waits at train.py:14" in check["detail"], check
     assert "rank 1 waits at train.py:16" in check["detail"], check
     assert data["runs"]["torchrun"]["seconds"] < 40
+
+
+def test_what_differs_between_two_runs_of_the_original_is_noise(tmp_path):
+    """An original seeded from the clock differs from itself: its losses are no evidence."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\nimport torch\ntorch.manual_seed(time.time_ns() % 100003)\n"
+                      "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "for step in range(3):\n    opt.zero_grad()\n    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+                      "    loss.backward()\n    opt.step()\n")
+    code, data, stderr = verify(str(script), "--to", "device", "--against", str(script))
+    assert code == 0, data.get("reason") or stderr[-1000:]
+    loss = next(c for c in data["checks"] if c["name"] == "loss")
+    assert loss["status"] == "skip" and "differs from run to run" in loss["detail"], loss
