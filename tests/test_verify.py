@@ -245,3 +245,46 @@ def test_what_differs_between_two_runs_of_the_original_is_noise(tmp_path):
     assert code == 0, data.get("reason") or stderr[-1000:]
     loss = next(c for c in data["checks"] if c["name"] == "loss")
     assert loss["status"] == "skip" and "differs from run to run" in loss["detail"], loss
+
+
+TWO_OPTIMIZERS = '''\
+import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+critic, actor = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+opt_c = torch.optim.SGD(critic.parameters(), lr=0.1)
+opt_a = torch.optim.SGD(actor.parameters(), lr=0.1)
+last_loss = None
+
+
+def train(x):
+    global last_loss
+    q_loss = F.mse_loss(critic(x), x.sum(1, keepdim=True))
+    opt_c.zero_grad()
+    q_loss.backward()
+    opt_c.step()
+    a_loss = -critic(actor(x)).mean()   # q_loss (the critic's step) is still a local here
+    opt_a.zero_grad()
+    a_loss.backward()
+    opt_a.step()
+    last_loss = a_loss                   # one graph kept, not one per step
+
+
+for step in range(6):
+    train(torch.randn(8, 4))
+print("done")
+'''
+
+
+def test_a_loss_still_in_a_local_is_not_a_kept_graph(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TWO_OPTIMIZERS)
+    code, data, stderr = verify(str(script), "--to", "device", "--against", str(script), "--steps", "12")
+    assert code == 0, data.get("reason") or stderr[-1000:]
+    check = next(c for c in data["checks"] if c["name"] == "retained graphs")
+    assert check["status"] == "pass", check
+    leaky = TWO_OPTIMIZERS.replace("    last_loss = a_loss ", "    last_loss = a_loss if last_loss is None else last_loss + a_loss ")
+    script.write_text(leaky)
+    code, data, stderr = verify(str(script), "--to", "device", "--against", str(script), "--steps", "12")
+    assert code == 1 and "`last_loss`" in data["reason"], data.get("reason") or stderr[-1000:]

@@ -319,14 +319,14 @@ def _line_differs(x: str, y: str, rtol: float = 1e-5) -> Optional[str]:
 # ---------------------------------------------------------------- graphs kept across steps
 
 def retained_graphs(run: "Probed", base: "Probed") -> Check:
-    """A name that still holds the autograd graph of the step before (`total += loss` without
-    `.item()`) keeps every step's graph: memory grows until it runs out."""
+    """A name that still holds the autograd graphs of two earlier steps (`total += loss`
+    without `.item()`) keeps every step's graph: memory grows until it runs out."""
     scans = run.rank(0).get("retained") or []
-    if len(scans) < 2:
-        return Check("retained graphs", "skip", f"{len(scans)} steps measured (2 needed)")
+    if len(scans) < 3:
+        return Check("retained graphs", "skip", f"{len(scans)} steps measured (3 needed)")
     found = [(key, line) for scan in scans for key, line in scan.items()]
     if not found:
-        return Check("retained graphs", "pass", f"no name holds the graph of an earlier step ({len(scans)} steps)")
+        return Check("retained graphs", "pass", f"no name holds the graphs of earlier steps ({len(scans)} steps)")
     key, line = found[0]
     file, function, name = key.split(":", 2)
     original = {k for scan in base.rank(0).get("retained") or [] for k in scan}

@@ -443,8 +443,8 @@ class Verify:
       window's number, and at the first one the module's state_dict (DDP unwrapped) is saved
       as OUT_DIR/rank{RANK}_eval.pt, so one process can evaluate the same weights;
     * `retained`: per step (the first few), the names in the script's frames (a tensor, or a
-      list or dict of them) that still hold the graph of the step before: a graph kept across
-      steps, which grows until memory runs out;
+      list or dict of them) that still hold the graphs of two earlier steps: graphs kept
+      across steps, which grow until memory runs out;
     * `writes`: files opened for writing with open();
     * a stall watchdog: in a process group, a rank that makes no progress (no forward, no
       step, no batch) for `stall` seconds writes where it waits and exits with status 3.
@@ -471,7 +471,8 @@ class Verify:
         self.backward_at: Optional[str] = None
         self.loss_dtypes: set = set()
         self.roots: list = []            # this step's backward() roots
-        self.previous_roots: list = []   # the step before's
+        self.root_history: list = []     # the roots of the steps before, oldest first
+        self.stepping: set = set()       # ids of the optimizers that stepped
         self.scalers = 0
 
     def trained(self, module) -> bool:
@@ -581,25 +582,33 @@ def _holds(value, roots: set, depth: int = 0) -> bool:
     return False
 
 
-def _scan_graphs() -> None:
-    """The names in the script's own frames that, after this step, still hold the graph of the
-    step before (the graph of the loss it called backward() on): `total += loss` and
-    `losses.append(loss)` without `.item()`."""
+def _scan_graphs(optimizer) -> None:
+    """The names in the script's own frames that, after this step, still hold the graphs of
+    two earlier steps (the graphs of the losses they called backward() on): `total += loss`
+    and `losses.append(loss)` without `.item()`. Steps are counted in cycles of the
+    optimizers in use (a GAN's D and G steps are one cycle): the loss of the cycle before,
+    still in a local, and a `last_loss = loss` that holds one graph are not leaks."""
+    VERIFY.stepping.add(id(optimizer))
+    cycle = len(VERIFY.stepping)
+    history = VERIFY.root_history
     held: dict = {}
-    roots = {id(fn) for fn in VERIFY.previous_roots}
-    frame = sys._getframe(2)
-    while roots and frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(VERIFY.script_dir):
-            names = frame.f_globals if frame.f_code.co_name == "<module>" else frame.f_locals
-            for name, value in list(names.items()):
-                if isinstance(value, nn.Module) or name.startswith("__"):
-                    continue
-                if _holds(value, roots):
-                    held[f"{os.path.basename(filename)}:{frame.f_code.co_name}:{name}"] = frame.f_lineno
-        frame = frame.f_back
+    if len(history) >= 2 * cycle:
+        older = [{id(fn) for fn in history[-k * cycle]} for k in (1, 2)]
+        frame = sys._getframe(2)
+        while all(older) and frame is not None:
+            filename = frame.f_code.co_filename
+            if filename.startswith(VERIFY.script_dir):
+                names = frame.f_globals if frame.f_code.co_name == "<module>" else frame.f_locals
+                for name, value in list(names.items()):
+                    if isinstance(value, nn.Module) or name.startswith("__"):
+                        continue
+                    if all(_holds(value, roots) for roots in older):
+                        held[f"{os.path.basename(filename)}:{frame.f_code.co_name}:{name}"] = frame.f_lineno
+            frame = frame.f_back
     VERIFY.retained.append(held)
-    VERIFY.previous_roots, VERIFY.roots = VERIFY.roots, []
+    history.append(VERIFY.roots)
+    del history[:-2 * cycle - 1]
+    VERIFY.roots = []
 
 
 def _patch_verify_steps() -> None:
@@ -621,7 +630,7 @@ def _patch_verify_steps() -> None:
         VERIFY.loss_dtypes = set()
         VERIFY.losses, VERIFY.backward_at = [], None
         if len(VERIFY.retained) < GRAPH_SCAN_STEPS:
-            _scan_graphs()
+            _scan_graphs(optimizer)
 
     register_optimizer_step_post_hook(after_step)
 
