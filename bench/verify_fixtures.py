@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 TARGETS = ("device", "ddp", "amp", "ddp,amp")
-ARGS = {"mnist_2018.py": ["--no-cuda"], "mnist_2019.py": ["--no-cuda"]}
+ARGS = {"mnist_2018.py": ["--no-cuda"], "mnist_2019.py": ["--no-cuda"], "hf_local_rank.py": ["--do_train", "--do_eval"]}
 
 
 def run(name: str, target: str, timeout: float) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,8 +124,26 @@ class Probed:
 
 # ---------------------------------------------------------------- scratch copies
 
+UP = re.compile(r"""["'](?:\.\./)+|["']\.\.["']""")
+
+
 def _tree_root(files: Sequence[Path]) -> Path:
-    return Path(os.path.commonpath([str(f.parent) for f in files]))
+    """The folder a scratch copy takes: the one holding the script and its project modules,
+    and the folders above it that their string literals reach with `../` (data beside the
+    code: `../data/cora/`), at most two."""
+    root = Path(os.path.commonpath([str(f.parent) for f in files]))
+    up = 0
+    for path in files:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for match in UP.findall(text):
+            up = max(up, match.count(".."))
+    for _ in range(min(up, 2)):
+        if root.parent != root and root.parent != Path.home():
+            root = root.parent
+    return root
 
 
 def copy_tree(src: Path, dest: Path) -> None:
@@ -147,6 +166,14 @@ def copy_tree(src: Path, dest: Path) -> None:
                 os.symlink(os.path.realpath(path), target / name)
             else:
                 shutil.copy2(path, target / name)
+
+
+def _inside(path: str, src: Path, copy: Path) -> str:
+    """`path` in the copy where it lies inside `src`, else `path`."""
+    try:
+        return str(copy / Path(path).resolve().relative_to(src.resolve()))
+    except ValueError:
+        return path
 
 
 def _copy_run(tree: Path, dest: Path) -> None:
@@ -193,7 +220,7 @@ class Session:
         opts = self.opts
         from gpumigrate.rewriter.project import project_files
         files = project_files(str(opts.script))
-        src = _tree_root(files)
+        src = self.src = _tree_root(files)
         copy_tree(src, self.root / "original")
         self.original = self.root / "original" / opts.script.resolve().relative_to(src)
         if opts.against is not None:
@@ -269,7 +296,9 @@ class Session:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd = [*launcher, str(PROBE), *probe_args, str(out), str(local), *opts.args]
         run_env = clean_env()
-        paths = [str(PACKAGE_ROOT), run_env.get("PYTHONPATH", "")]
+        # a PYTHONPATH folder inside the copied tree (the project's own package) is the copy's
+        own = [_inside(p, self.src, work) for p in run_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths = [str(PACKAGE_ROOT), *own]
         run_env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="",
                        PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(work.parent / f"{work.name}-tmp"),
                        MPLBACKEND="Agg", GPUMIGRATE_VERIFY=json.dumps(self.config(original, nproc > 1)))
