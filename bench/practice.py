@@ -67,7 +67,7 @@ MANIFEST = ROOT / "bench" / "practice_corpus.json"
 CORPUS = Path("/work/practice-corpus")
 NPROC = 2
 SHIM_ENV = {"PRACTICE_SHIM": "1", "PRACTICE_MAX_BATCHES": "4", "PRACTICE_MAX_STEPS": "40",
-            "PRACTICE_TRAIN_SIZE": "256", "PRACTICE_TEST_SIZE": "64", "MPLBACKEND": "Agg",
+            "PRACTICE_TRAIN_SIZE": "256", "MPLBACKEND": "Agg",
             # old generated protobuf code (tensorboard_logger) fails with today's protobuf otherwise
             "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 # gpumigrate's words for "this training stays single-process on every rank" (evaluation that is not
@@ -202,11 +202,11 @@ def launch(python: str, root: Path, entry: dict, args: List[str], nproc: int, ti
         ranks[data["rank"]] = data
     errors = {r: rep["error"] for r, rep in ranks.items() if rep.get("error")}
     ok = code == 0 and sorted(ranks) == list(range(nproc)) and not errors
-    shim = sorted(set(re.findall(r"\[practice-shim\] ([^\n]*)", stderr)))
+    shim = sorted(set(re.findall(r"\[verify\] ([^\n]*)", stderr)))
     return {"nproc": nproc, "cmd": cmd, "returncode": code, "timed_out": code is None, "ok": ok,
             "seconds": round(seconds, 1), "ranks": ranks, "out": str(out),
             "error": _error_line(code, ranks, stderr, timeout), "stderr_tail": stderr[-4000:], "shim": shim,
-            "stopped_by_step_cap": "PRACTICE_MAX_STEPS" in stderr}
+            "stopped_by_step_cap": "optimizer steps (--steps)" in stderr}
 
 
 def _error_line(code, ranks, stderr, timeout) -> Optional[str]:

@@ -60,9 +60,9 @@ def seed_everything(seed: int) -> None:
         set_deterministic(True, warn_only=True)
     else:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    _after_import("numpy", lambda np: np.random.seed(seed))
+    after_import("numpy", lambda np: np.random.seed(seed))
     for gym in ("gym.utils.seeding", "gymnasium.utils.seeding"):
-        _after_import(gym, _seeded_environments(seed))
+        after_import(gym, _seeded_environments(seed))
 
 
 def _seeded_environments(seed: int) -> Callable[[Any], None]:
@@ -211,9 +211,9 @@ def cap(steps: Optional[int], batches: Optional[int]) -> None:
 # ---------------------------------------------------------------- fake data
 
 def fake_data(samples: int, image_size: int = 64, classes: int = 10) -> None:
-    _offline_hub()
+    after_import("torch", lambda torch: _offline_hub())
     test_size = max(8, samples // 4)
-    _after_import("torchvision.datasets", lambda datasets: _patch_datasets(datasets, samples, test_size,
+    after_import("torchvision.datasets", lambda datasets: _patch_datasets(datasets, samples, test_size,
                                                                           image_size, classes))
 
 
@@ -233,7 +233,7 @@ def _offline_hub() -> None:
 
     torch.hub.load_state_dict_from_url = load_state_dict_from_url
     torch.hub.download_url_to_file = download_url_to_file
-    _after_import("torch.utils.model_zoo", lambda zoo: setattr(zoo, "load_url", load_state_dict_from_url))
+    after_import("torch.utils.model_zoo", lambda zoo: setattr(zoo, "load_url", load_state_dict_from_url))
     original_load_state_dict = torch.nn.Module.load_state_dict
 
     def load_state_dict(self: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
@@ -433,7 +433,7 @@ def _old_variable(torch: Any) -> None:
 _HOOKS: Dict[str, list] = {}
 
 
-def _after_import(name: str, hook: Callable[[Any], None]) -> None:
+def after_import(name: str, hook: Callable[[Any], None]) -> None:
     """`hook(module)` once `name` is imported (now, if it already is)."""
     if name in sys.modules:
         hook(sys.modules[name])
@@ -474,7 +474,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-def _numpy_aliases(np: Any) -> None:
+def numpy_aliases(np: Any) -> None:
     """Aliases numpy 2 removed that libraries still in use call (gym 0.26's np.bool8)."""
     if not hasattr(np, "bool8"):
         np.bool8 = np.bool_
@@ -482,7 +482,7 @@ def _numpy_aliases(np: Any) -> None:
 
 def install(config: Dict[str, Any]) -> None:
     """Everything `config` (the verify run's settings) asks for."""
-    _after_import("numpy", _numpy_aliases)
+    after_import("numpy", numpy_aliases)
     if config.get("seed") is not None:
         # rank r draws from seed + r, as an unseeded script's ranks draw apart under torchrun;
         # rank 0 draws what one process draws (what a script seeds itself stays its own)
