@@ -135,7 +135,7 @@ def _wrong(tmp_path: Path, target: str, edits: Sequence[Edit]) -> Path:
 
 def verify(*args: str, timeout: float = 600) -> Tuple[int, dict, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    options = ["--format", "json", "--timeout", "60"]
+    options = ["--format", "json"] + ([] if "--timeout" in args else ["--timeout", "60"])
     cut = args.index("--") if "--" in args else len(args)  # after `--`, the script's own arguments
     proc = subprocess.run([sys.executable, "-m", "gpumigrate", "verify", *args[:cut], *options, *args[cut:]],
                           capture_output=True, text=True, env=env, timeout=timeout)
@@ -182,6 +182,13 @@ def test_could_not_judge_an_original_that_fails(tmp_path):
     code, data, _ = verify(str(script), "--to", "device")
     assert code == 2 and data["verdict"] == "unknown"
     assert "FileNotFoundError" in data["reason"] and "--data real" in data["reason"]
+    # a migrated script that runs past --timeout: too slow to judge, not a difference
+    script.write_text("print('hello')\n")
+    slow = tmp_path / "slow" / "train.py"
+    slow.parent.mkdir()
+    slow.write_text("import time\ntime.sleep(60)\nprint('hello')\n")
+    code, data, _ = verify(str(script), "--to", "device", "--against", str(slow), "--timeout", "8")
+    assert code == 2 and data["verdict"] == "unknown" and "timed out after 8 s" in data["reason"], data
 
 
 def test_bad_input_is_one_line(tmp_path):

@@ -76,7 +76,6 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
         return verdict
     full = {"GPUMIGRATE_AMP": "off"} if amp else None  # exact comparisons in float32; bf16 has its own run
     single = session.run("migrated", original=False, env=full)
-    verdict.runs["migrated"] = single.summary()
     checks = verdict.checks
     checks += _unless_noise(session, base, same_run(base, single, "migrated, one process"
                                                      + (", GPUMIGRATE_AMP=off" if amp else "")))
@@ -87,11 +86,9 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
 
     if "ddp" in targets and not settled():
         dist = session.run("torchrun", original=False, nproc=opts.nproc, env=full)
-        verdict.runs["torchrun"] = dist.summary()
         checks += ddp_checks(session, base, dist, opts.fail_fast)
     if amp and not settled():
         bf16 = session.run("bf16", original=False, env={"GPUMIGRATE_AMP": "bf16"})
-        verdict.runs["bf16"] = bf16.summary()
         checks.append(bf16_band(base, bf16))
         checks.append(scaler_state([single, *([session.runs["torchrun"]] if "torchrun" in session.runs else [])]))
     return _conclude(verdict, session)
@@ -99,6 +96,7 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
 
 def _conclude(verdict: Verdict, session: "Session") -> Verdict:
     checks = verdict.checks
+    verdict.runs = {name: run.summary() for name, run in session.runs.items()}
     failed = [c for c in checks if c.status == "fail"]
     timed_out = [r for r in session.runs.values() if r.returncode is None and not _stalled(r)]
     if failed:
@@ -158,6 +156,8 @@ def _stalled(run: "Probed") -> bool:
 
 def same_run(base: "Probed", other: "Probed", label: str) -> List[Check]:
     """The migrated script in one process does what the original does."""
+    if other.returncode is None:  # too slow to judge, not a difference
+        return [Check("run", "skip", f"{label}: {other.error()}")]
     if not other.ok:
         where = _error_where(other)
         return [Check("run", "fail", f"{label}: {other.error()}", where)]
@@ -361,6 +361,8 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed", fail_fast: bo
     mismatch = _collective_mismatch(dist)
     if mismatch is not None:
         return [mismatch]
+    if dist.returncode is None:
+        return [Check("run under torchrun", "skip", dist.error() or "timed out")]
     if not dist.ok:
         return [Check("run under torchrun", "fail", dist.error() or "failed", _error_where(dist))]
     checks = [Check("run under torchrun", "pass", f"{n} ranks exit 0 ({dist.seconds:.1f} s)")]
