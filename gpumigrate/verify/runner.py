@@ -302,6 +302,9 @@ class Session:
         run_env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="",
                        PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(work.parent / f"{work.name}-tmp"),
                        MPLBACKEND="Agg", GPUMIGRATE_VERIFY=json.dumps(self.config(original, nproc > 1)))
+        # libraries that cache (matplotlib's fonts, torch hub, datasets) write into the run's tmp
+        tmp = str(work.parent / f"{work.name}-tmp")
+        run_env.update(MPLCONFIGDIR=tmp, XDG_CACHE_HOME=tmp, TORCH_HOME=os.path.join(tmp, "torch"))
         run_env.update(env or {})
         code, stdout, stderr, seconds = run_bounded(cmd, local.parent, run_env, opts.timeout)
         probed = Probed(name, nproc, code, stdout, stderr, seconds, work, local, out, opts.timeout)
