@@ -118,8 +118,15 @@ class Probed:
         return self.ranks.get(r, {})
 
     def summary(self) -> dict:
+        """What the run measured, per rank: each step's losses and (sum, sum of squares) of the
+        parameters the step trained."""
+        ranks = {str(r): {"losses": [s["losses"] for s in rep.get("steps") or []],
+                          "parameters": [s["params"] for s in rep.get("steps") or []],
+                          "optimizer": [s["optimizer"] for s in rep.get("steps") or []]}
+                 for r, rep in sorted(self.ranks.items())}
         return {"nproc": self.nproc, "returncode": self.returncode, "seconds": round(self.seconds, 2),
-                "error": self.error(), "steps": [len(rep.get("steps") or []) for _, rep in sorted(self.ranks.items())]}
+                "error": self.error(), "steps": [len(rep.get("steps") or []) for _, rep in sorted(self.ranks.items())],
+                "ranks": ranks}
 
 
 # ---------------------------------------------------------------- scratch copies
