@@ -16,9 +16,10 @@ offline, deterministically and on a CPU, without a byte of the script edited.
 * `emulate` (the original script only): the torch it was written for, on a CPU. `.cuda()`
   and `.to("cuda")` stay on the CPU, `torch.cuda.*Tensor` are the CPU types,
   `torch.cuda.set_device`/`synchronize` do nothing, a 0-dim tensor indexed with `[0]` is
-  itself and `type(x) == Variable` holds for a tensor (PyTorch < 0.4), and `torch.load` unpickles as before 2.6 (`weights_only=False`);
-  at level 2 (tried where level 1 fails), `torch.full` with an integer fill makes a float
-  tensor, as before 1.7.
+  itself and `type(x) == Variable` holds for a tensor (PyTorch < 0.4), and `torch.load`
+  unpickles as before 2.6 (`weights_only=False`); at level 2 (tried where level 1 fails),
+  `torch.full` with an integer fill makes a float tensor, as before 1.7.
+* where NVIDIA apex is not installed (both runs), its amp passes through in float32.
 
 Each of these says what it did, once, on stderr, as a line starting `[verify]`.
 """
@@ -401,6 +402,47 @@ def emulate_old_torch(level: int = 1) -> None:
     _old_variable(torch)
 
 
+def _float32_apex() -> None:
+    """Where NVIDIA apex is not installed, the parts of it training scripts use, in float32
+    (there is no float16 training on a CPU): `amp.initialize` returns what it is given,
+    `amp.scale_loss` yields the loss, `amp.master_params` the optimizer's parameters, the amp
+    state is empty; `apex.parallel` has torch's DistributedDataParallel and SyncBatchNorm."""
+    import contextlib
+    import importlib.util
+    import types
+
+    import torch
+
+    if importlib.util.find_spec("apex") is not None:
+        return
+    apex, amp, parallel = (types.ModuleType(n) for n in ("apex", "apex.amp", "apex.parallel"))
+
+    def initialize(models: Any, optimizers: Any = None, *args: Any, **kwargs: Any) -> Any:
+        say("apex", "apex is not installed: its amp runs in float32 (initialize and scale_loss pass through)")
+        return models if optimizers is None else (models, optimizers)
+
+    @contextlib.contextmanager
+    def scale_loss(loss: Any, optimizers: Any, *args: Any, **kwargs: Any) -> Any:
+        yield loss
+
+    def master_params(optimizer: Any) -> Any:
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+    amp.initialize, amp.scale_loss, amp.master_params = initialize, scale_loss, master_params
+    amp.state_dict, amp.load_state_dict = (lambda: {}), (lambda state: None)
+
+    class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, module: Any, *args: Any, delay_allreduce: bool = False, **kwargs: Any) -> None:
+            super().__init__(module)
+
+    parallel.DistributedDataParallel = DistributedDataParallel
+    parallel.convert_syncbn_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm
+    parallel.SyncBatchNorm = torch.nn.SyncBatchNorm
+    apex.amp, apex.parallel = amp, parallel
+    sys.modules.update({"apex": apex, "apex.amp": amp, "apex.parallel": parallel})
+
+
 def _old_variable(torch: Any) -> None:
     """`Variable` as its own type again: `type(h) == Variable` (word_language_model's
     repackage_hidden) is true for a tensor, as it was for a Variable before PyTorch 0.4."""
@@ -483,6 +525,7 @@ def numpy_aliases(np: Any) -> None:
 def install(config: Dict[str, Any]) -> None:
     """Everything `config` (the verify run's settings) asks for."""
     after_import("numpy", numpy_aliases)
+    _float32_apex()  # both runs: an environment without apex, not an older torch
     if config.get("seed") is not None:
         # rank r draws from seed + r, as an unseeded script's ranks draw apart under torchrun;
         # rank 0 draws what one process draws (what a script seeds itself stays its own)
