@@ -304,3 +304,16 @@ def test_fixtures_written_for_old_torch_verify(name, target, args):
     assert code == 0, data.get("reason") or stderr[-1000:]
     if target == "ddp":
         assert "as the migration's report says" in data["reason"], data["reason"]
+
+
+def test_printed_lines_compare_by_value():
+    """Pure comparisons (no runs): numbers to their last printed digit, times ignored, a 0-dim
+    tensor printed whole is its number."""
+    from gpumigrate.verify.checks import SCALAR_TENSOR, compare_lines
+    assert compare_lines(["loss 0.123457"], ["loss 0.123458"]) is None          # the last digit rounds
+    assert compare_lines(["loss 0.1235"], ["loss 0.1240"]) is not None
+    assert compare_lines(["epoch 1 | 0.1s | acc 12/64"], ["epoch 1 | 0.0s | acc 12/64"]) is None
+    assert compare_lines(["acc 12/64"], ["acc 13/64"]) is not None
+    assert compare_lines(["a", "b"], ["a"])[1].startswith("the original prints 1 more")
+    assert SCALAR_TENSOR.sub(r"\1", "best tensor(0.5230, grad_fn=<DivBackward0>)") == "best 0.5230"
+    assert SCALAR_TENSOR.sub(r"\1", "tensor([1, 2])") == "tensor([1, 2])"

@@ -262,7 +262,13 @@ def _parameters(base: "Probed", other: "Probed", rtol: float = RTOL, atol: float
                  f"{worst:.3g}", values={"max_abs_diff": worst})
 
 
+# a 0-dim tensor printed whole (`tensor(0.5230, grad_fn=<DivBackward0>)`) is its number: a
+# migration that accumulates `.item()` prints `0.523` where the original printed the tensor
+SCALAR_TENSOR = re.compile(r"tensor\(\s*([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))\s*(?:,[^()]*(?:\([^()]*\)[^()]*)*)?\)")
+
+
 def _normalise(text: str, run: "Probed") -> str:
+    text = SCALAR_TENSOR.sub(r"\1", text)
     for path in (str(run.work), str(run.work.parent / f"{run.work.name}-tmp"), str(run.script.parent)):
         text = text.replace(path, "<run>")
     text = re.sub(r"/tmp\S*?/tmp\w+", "<tmp>", text)
