@@ -706,6 +706,9 @@ def verify(script: str, script_args: Tuple[str, ...], target: str, against: Opti
     for path, what in ((script, "SCRIPT"), (against, "--against")):
         if path is not None and not os.path.isfile(path):
             raise click.BadParameter(f"{path}: no such file", param_hint=what)
+        if path is not None and path.endswith(".ipynb"):
+            raise click.BadParameter(f"{path}: verify runs Python scripts; export the notebook first "
+                                     f"(`jupyter nbconvert --to script {path}`)", param_hint=what)
     try:
         target = parse_target(target)
     except TargetError as exc:

@@ -196,6 +196,10 @@ def test_bad_input_is_one_line(tmp_path):
     assert code == 2 and "no such file" in stderr and "Traceback" not in stderr
     code, _, stderr = verify(str(ORIGINAL), "--to", "tpu")
     assert code == 2 and "unknown target" in stderr and "Traceback" not in stderr
+    notebook = tmp_path / "train.ipynb"
+    notebook.write_text("{}")
+    code, _, stderr = verify(str(notebook), "--to", "device")
+    assert code == 2 and "nbconvert" in stderr and "Traceback" not in stderr
 
 
 HANG = '''\
