@@ -496,7 +496,7 @@ def verify_entry(entry: dict, args, corpus: Path, scratch: Path) -> dict:
     rec = {"name": name, "repo": entry["repo"], "path": entry["path"], "kind": entry.get("kind", ""), "targets": {}}
     for target in VERIFY_TARGETS:
         cmd = [args.python, "-m", "gpumigrate", "verify", str(script), "--to", target, "--format", "json",
-               "--timeout", str(args.timeout), "--", *run_args]
+               "--timeout", str(args.timeout), "--samples", SHIM_ENV["PRACTICE_TRAIN_SIZE"], "--", *run_args]
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, env=env)
         try:

@@ -143,6 +143,9 @@ def _cannot_judge(base: "Probed", opts: Any) -> str:
         text += f" ({hint})"
     elif err.get("type") in ("ModuleNotFoundError", "ImportError"):
         text += " (install what it imports in this environment)"
+    elif "fake samples" in base.stderr:  # a split or a batch larger than the faked dataset?
+        text += (f" (its datasets were faked with --samples {opts.samples} training samples: a script that splits "
+                 f"off or needs more takes a larger --samples, or --data real)")
     elif base.returncode is None:
         text += " (raise --timeout)"
     return text
@@ -380,8 +383,9 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed", fail_fast: bo
         return checks
     if any(w != n for w in world):
         checks.append(Check("process group", "fail", f"the ranks joined process groups of {world} processes, not {n}"))
-    checks.append(_as_reported(_rank_parameters(dist), session.migration_report, "the ranks train apart"))
-    checks.append(_samples(dist, base, session.migration_report))
+    told = session.migration_report + "\n" + dist.stderr  # the review items, and the runtime's warnings
+    checks.append(_as_reported(_rank_parameters(dist), told, "the ranks train apart"))
+    checks.append(_samples(dist, base, told))
     checks.append(_epoch_order(dist))
     checks.append(_rank0_output(dist))
     checks.append(_rank0_files(dist))
@@ -493,10 +497,16 @@ DECLINED = re.compile(r"training data (NOT sharded|does not come from a DataLoad
 REPORTED = "as the migration's report says"
 
 
+RUNTIME_SAYS = re.compile(r"gpumigrate\.runtime: \w+: [^\n]*every rank (trains on all rows|reads all of it)")
+
+
 def _as_reported(check: Check, report: str, what: str) -> Check:
     """A failed data-parallel check the migration itself declined (its review items say the
-    ranks train alone or on all the data) is what the user was told: a note, not a difference."""
+    ranks train alone or on all the data), or that the runtime declined at run time (its
+    warning: one sample, tensors of different lengths), is what the user was told: a note,
+    not a difference."""
     said = [line for line in report.splitlines() if DECLINED.search(line)]
+    said += [m.group(0) for m in RUNTIME_SAYS.finditer(report)]
     if check.status != "fail" or not said:
         return check
     reason = re.sub(r"^.*?review by hand: ", "", said[0]).strip()
