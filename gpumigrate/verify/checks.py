@@ -74,6 +74,8 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
     if not base.ok:
         verdict.reason = _cannot_judge(base, opts)
         return verdict
+    for why in session.fallbacks:  # said, so a reader knows what the runs were
+        verdict.checks.append(Check("original under the caps", "skip", f"the original fails: {why}"))
     full = {"GPUMIGRATE_AMP": "off"} if amp else None  # exact comparisons in float32; bf16 has its own run
     single = session.run("migrated", original=False, env=full)
     checks = verdict.checks
@@ -562,7 +564,8 @@ def _epoch_order(dist: "Probed") -> Check:
         return Check("epoch order", "skip", "no DistributedSampler trains")
     if not main.get("shuffle"):
         return Check("epoch order", "skip", "the training sampler does not shuffle")
-    passes = [s for s in rep.get("samplers") or [] if s["sampler"] == main["sampler"]]
+    # the passes that trained (a batch peeked before training shares epoch 0's order, as it may)
+    passes = [s for s in rep.get("samplers") or [] if s["sampler"] == main["sampler"] and s.get("steps")]
     if len(passes) < 2:
         return Check("epoch order", "skip", "one epoch within --steps (raise --steps to see a second)")
     for prev, cur in zip(passes, passes[1:]):

@@ -216,6 +216,7 @@ class Session:
         self.migration_report = ""
         self.batches: Optional[int] = opts.batches
         self.emulate = 1
+        self.fallbacks: List[str] = []  # why the original runs without a cap, or with older torch
 
     def close(self) -> None:
         if self.opts.keep:
@@ -255,13 +256,13 @@ class Session:
         key = self._original_key() if self.opts.cache else None
         cached = _load_cached(key) if key else None
         if cached is not None:
-            base, self.batches, self.emulate = cached
+            base, self.batches, self.emulate, self.fallbacks = cached
             self.runs["original"] = base
             self.progress("the original's run: from the cache")
             return base
         base = self._run_original()
         if key and base.ok:
-            _store_cached(key, base, self.batches, self.emulate)
+            _store_cached(key, base, self.batches, self.emulate, self.fallbacks)
         return base
 
     def _original_key(self) -> str:
@@ -285,6 +286,8 @@ class Session:
             error = (base.rank(0).get("error") or {}).get("type")
             if base.ok or base.returncode is None or error in FATAL:
                 break
+            self.fallbacks.append(f"{base.error()}: every run " + (
+                "without the batch cap" if key == "batches" else "with torch.full's pre-1.7 float fill"))
             setattr(self, key, value)
             base = self.run("original", original=True, work_name=f"original-{attempt}")
         return base
@@ -353,10 +356,10 @@ def _load_cached(key: str) -> Optional[tuple]:
         return None
     run = Probed("original", 1, meta["returncode"], meta["stdout"], meta["stderr"], meta["seconds"],
                  Path(meta["work"]), Path(meta["script"]), folder, meta["timeout"], ranks)
-    return run, meta["batches"], meta["emulate"]
+    return run, meta["batches"], meta["emulate"], meta.get("fallbacks", [])
 
 
-def _store_cached(key: str, run: Probed, batches: Optional[int], emulate: int) -> None:
+def _store_cached(key: str, run: Probed, batches: Optional[int], emulate: int, fallbacks: List[str]) -> None:
     folder = _cache_folder(key)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -366,7 +369,7 @@ def _store_cached(key: str, run: Probed, batches: Optional[int], emulate: int) -
         (staging / "run.json").write_text(json.dumps({
             "returncode": run.returncode, "stdout": run.stdout, "stderr": run.stderr, "seconds": run.seconds,
             "work": str(run.work), "script": str(run.script), "timeout": run.timeout, "ranks": sorted(run.ranks),
-            "batches": batches, "emulate": emulate}))
+            "batches": batches, "emulate": emulate, "fallbacks": fallbacks}))
         os.replace(staging, folder)
     except OSError:  # a cache that cannot be written is no cache
         shutil.rmtree(staging, ignore_errors=True) if "staging" in locals() else None
