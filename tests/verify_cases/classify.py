@@ -56,6 +56,6 @@ for epoch in range(args.epochs):
             test_loss += F.cross_entropy(output, target, reduction="sum").item()
             correct += (output.argmax(1) == target).sum().item()
             seen += target.size(0)
-    print("epoch {} train loss {:.4f} test loss {:.4f} accuracy {}/{}".format(
+    print("epoch {} train loss {:.4f} test loss {:.6f} accuracy {}/{}".format(
         epoch, total_loss / len(train_loader), test_loss / seen, correct, seen))
 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, args.out)
