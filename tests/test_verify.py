@@ -318,6 +318,7 @@ def test_printed_lines_compare_by_value():
     assert compare_lines(["loss 0.1235"], ["loss 0.1240"]) is not None
     assert compare_lines(["epoch 1 | 0.1s | acc 12/64"], ["epoch 1 | 0.0s | acc 12/64"]) is None
     assert compare_lines(["acc 12/64"], ["acc 13/64"]) is not None
+    assert compare_lines(["best 0.0156"], ["best 0.015625"]) is None               # to the coarser print
     assert compare_lines(["a", "b"], ["a"])[1].startswith("the original prints 1 more")
     assert SCALAR_TENSOR.sub(r"\1", "best tensor(0.5230, grad_fn=<DivBackward0>)") == "best 0.5230"
     assert SCALAR_TENSOR.sub(r"\1", "tensor([1, 2])") == "tensor([1, 2])"
