@@ -493,6 +493,9 @@ def _old_variable(torch: Any) -> None:
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
             return modern(*args, **kwargs)
 
+        def __getattr__(cls, name: str) -> Any:  # Variable._execution_engine (torch.utils.checkpoint)
+            return getattr(modern, name)
+
     class Variable(metaclass=OldVariableMeta):
         pass
 
