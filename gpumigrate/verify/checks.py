@@ -630,6 +630,10 @@ def _metrics(dist: "Probed", ref: Optional["Probed"], base: "Probed") -> Check:
                      (ref.error() or "" if ref else "no weights"))
     if not ref.rank(0).get("eval_swaps"):
         return Check(name, "skip", "the original's model has other keys than the evaluated one")
+    if _subsets_differ(dist, ref):
+        return Check(name, "skip", "the original shuffles its evaluation set and the migration reads its shard in "
+                     "order: under --batches they evaluate different samples (raise --batches past the evaluation "
+                     "set to compare)")
     theirs = [ln for ln in _window(ref) if ln[2].strip()]
     plain = [ln for ln in _window(base) if ln[2].strip()]
     a = [_normalise(ln[2], ref) for ln in theirs]
@@ -655,6 +659,19 @@ def _metrics(dist: "Probed", ref: Optional["Probed"], base: "Probed") -> Check:
     if not compared:
         return Check(name, "skip", "no printed number depends on the evaluated weights")
     return Check(name, "pass", f"{compared} numbers of the first evaluation equal one process's on the same weights")
+
+
+def _subsets_differ(dist: "Probed", ref: "Probed") -> bool:
+    """Did a capped evaluation pass read other samples in the two runs: the original's shuffled
+    (a capped RandomSampler: a random subset), rank 0's an in-order shard (the first samples)?"""
+    def evaluated(rep: dict) -> List[dict]:
+        return [s for s in rep.get("samplers") or [] if not s.get("steps")
+                and (s.get("length") or 0) > len(s.get("indices") or [])]  # stopped by the cap
+
+    shuffled = any(s["kind"] == "RandomSampler" for s in evaluated(ref.rank(0)))
+    in_order = any(s["kind"] == "_Shard" or (s["kind"] == "DistributedSampler" and not s.get("shuffle"))
+                   for s in dist.rank(0).get("samplers") or [] if not s.get("steps"))
+    return shuffled and in_order
 
 
 def _checkpoints(dist: "Probed", ref: Optional["Probed"]) -> Check:

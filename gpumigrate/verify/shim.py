@@ -69,26 +69,23 @@ def seed_everything(seed: int) -> None:
 
 def _seeded_shuffles(seed: int) -> None:
     """A RandomSampler without a generator of its own draws each pass from a generator seeded
-    by (seed, its place among the samplers made, the pass), not from the global RNG: runs
-    whose training drew other random numbers (one process against rank 0 of a DDP run) still
-    shuffle an evaluation set alike."""
-    import itertools
-
+    by (seed, its dataset's type and length, the pass), not from the global RNG: runs whose
+    training drew other random numbers, or made other samplers (one process against rank 0
+    of a DDP run), still shuffle an evaluation set alike."""
     import torch
     from torch.utils.data import RandomSampler
 
-    made = itertools.count()
     original_init, original_iter = RandomSampler.__init__, RandomSampler.__iter__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        self._verify_place, self._verify_passes = next(made), 0
-        self._verify_own = self.generator is None
+        self._verify_passes, self._verify_own = 0, self.generator is None
 
     def __iter__(self: Any) -> Any:
         if getattr(self, "_verify_own", False):
+            source = self.data_source
             self.generator = torch.Generator().manual_seed(
-                _seed_of(seed, self._verify_place, self._verify_passes))
+                _seed_of(seed, type(source).__name__, len(source), self._verify_passes))
             self._verify_passes += 1
         return original_iter(self)
 
