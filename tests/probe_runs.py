@@ -4,7 +4,6 @@ what the probe recorded. Shared by the end-to-end test modules."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from dataclasses import dataclass, field

@@ -9,7 +9,6 @@ second report's scripts are tested in tests/test_field_report_2.py.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
