@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from gpumigrate.verify.runs import PEER_GONE
+
 if TYPE_CHECKING:
     from gpumigrate.verify.runner import Probed, Session
 
@@ -177,10 +179,14 @@ def same_run(base: "Probed", other: "Probed", label: str) -> List[Check]:
                             if [s["optimizer"] for s in a] == [s["optimizer"] for s in b] else f"{len(a)} steps"))
     checks.append(_losses(a or _pending(base), b or _pending(other)))
     rtol, atol = _tolerance(a, b)
-    # in reduced precision the band widens with the steps, as for the losses
-    checks.append(_parameters(base, other, rtol * max(1, len(a)) if rtol > RTOL else rtol, atol))
-    checks.append(_printed(base, other, rtol * max(1, len(a)) if rtol > RTOL else 1e-5))
+    checks.append(_parameters(base, other, _band(rtol, len(a)), atol))
+    checks.append(_printed(base, other, _band(rtol, len(a)) if rtol > RTOL else 1e-5))
     return checks
+
+
+def _band(rtol: float, steps: int) -> float:
+    """In reduced precision the rounding of each step adds up: the band widens with the steps."""
+    return rtol * max(1, steps) if rtol > RTOL else rtol
 
 
 def _pending(run: "Probed") -> List[dict]:
@@ -220,8 +226,7 @@ def _losses(a: List[dict], b: List[dict]) -> Check:
         if len(x["losses"]) != len(y["losses"]):
             return Check("loss", "fail", f"step {step}: the original calls backward() {len(x['losses'])} times, the "
                          f"migrated script {len(y['losses'])} times", y.get("backward_at") or y.get("step_at"))
-        # in reduced precision the rounding of each step adds up: the band widens with the steps
-        band = rtol * step if rtol > RTOL else rtol
+        band = _band(rtol, step)
         for i, (u, v) in enumerate(zip(x["losses"], y["losses"])):
             compared += 1
             if not _close(v, u, band, atol):
@@ -255,10 +260,9 @@ def _parameters(base: "Probed", other: "Probed", rtol: float = RTOL, atol: float
         if x.numel():
             diff = (x - y).abs()
             bad = diff > atol + rtol * x.abs()
-            if rtol > RTOL:  # reduced precision: elementwise, the drift of a few steps is noise; the whole is not
-                within = float(diff.norm()) <= rtol * float(x.norm()) + atol * x.numel() ** 0.5
-                bad = bad & False if within else bad
-            if bool(bad.any()):
+            # reduced precision: elementwise, the drift of a few steps is noise; the whole is not
+            noise = rtol > RTOL and float(diff.norm()) <= rtol * float(x.norm()) + atol * x.numel() ** 0.5
+            if not noise and bool(bad.any()):
                 return Check("parameters", "fail", f"after the last step, optimizer {i}'s parameters differ from the "
                              f"original's by up to {float(diff.max()):.3g} ({int(bad.sum())} of {x.numel()})",
                              values={"optimizer": i, "max_abs_diff": float(diff.max())})
@@ -274,7 +278,7 @@ SCALAR_TENSOR = re.compile(r"tensor\(\s*([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf
 
 def _normalise(text: str, run: "Probed") -> str:
     text = SCALAR_TENSOR.sub(r"\1", text)
-    for path in (str(run.work), str(run.work.parent / f"{run.work.name}-tmp"), str(run.script.parent)):
+    for path in (str(run.tmp), str(run.work), str(run.script.parent)):
         text = text.replace(path, "<run>")
     text = re.sub(r"/tmp\S*?/tmp\w+", "<tmp>", text)
     return re.sub(r"0x[0-9a-fA-F]{6,}", "<addr>", text)
@@ -378,17 +382,16 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed", fail_fast: bo
     if not dist.ok:
         return [Check("run under torchrun", "fail", dist.error() or "failed", _error_where(dist))]
     checks = [Check("run under torchrun", "pass", f"{n} ranks exit 0 ({dist.seconds:.1f} s)")]
-    world = [rep.get("process_group_world_size") for _, rep in sorted(dist.ranks.items())]
-    trains = bool(base.rank(0).get("steps") or base.rank(0).get("pending_losses"))
-    if not trains:
+    if not (base.rank(0).get("steps") or base.rank(0).get("pending_losses")):
         checks.append(Check("process group", "skip", "the original trains nothing: a migration to one device per "
                             "process is all there is"))
         return checks
+    world = [rep.get("process_group_world_size") for _, rep in sorted(dist.ranks.items())]
     if any(w != n for w in world):
         checks.append(Check("process group", "fail", f"the ranks joined process groups of {world} processes, not {n}"))
     told = session.migration_report + "\n" + dist.stderr  # the review items, and the runtime's warnings
     checks.append(_as_reported(_rank_parameters(dist), told, "the ranks train apart"))
-    checks.append(_samples(dist, base, told))
+    checks.append(_as_reported(_samples(dist), told, "every rank trains on all the data"))
     checks.append(_epoch_order(dist))
     checks.append(_rank0_output(dist))
     checks.append(_rank0_files(dist))
@@ -398,10 +401,6 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed", fail_fast: bo
     checks.append(_metrics(dist, ref, base))
     checks.append(_checkpoints(dist, ref))
     return checks
-
-
-PEER_GONE = re.compile(r"Connection (reset|closed) by peer|remote worker|stopping rank|failed \(|collective mismatch|"
-                       r"Socket Timeout|wait timeout|Timed out waiting", re.I)
 
 
 def _collective_mismatch(dist: "Probed") -> Optional[Check]:
@@ -420,29 +419,18 @@ def _collective_mismatch(dist: "Probed") -> Optional[Check]:
         if err is not None and not stalled and not PEER_GONE.search(str(err.get("message"))):
             return None  # a rank failed on its own: that is the error to show
         if stalled:
-            where = _stall_where(err.get("traceback", ""), dist)
+            where = dist.where(err.get("traceback", ""), innermost_first=True)
         elif err is not None:
             where = dist.where(err.get("traceback", ""))
         else:
             dump = dist.out / f"rank{rank}_terminated.txt"
-            where = _stall_where(dump.read_text(), dist) if dump.exists() and dump.stat().st_size else None
+            where = dist.where(dump.read_text(), innermost_first=True) if dump.exists() else None
         waiting += 1
         line = line or where
         parts.append(f"rank {rank} waits at {where or 'a line outside the script'}")
     if not waiting or waiting == dist.nproc and not line:
         return None
     return Check("collectives", "fail", "the ranks do not call the same collectives: " + "; ".join(parts), line)
-
-
-def _stall_where(dump: str, run: "Probed") -> Optional[str]:
-    """The script's innermost line in a faulthandler dump (each thread's innermost frame
-    first; only the thread that runs the script has frames of it)."""
-    root = str(run.script.parent) + os.sep
-    for block in re.split(r"\n\s*\n", dump):
-        for path, line in re.findall(r'File "([^"]+)", line (\d+)', block):
-            if path.startswith(root):
-                return f"{os.path.relpath(path, root)}:{line}"
-    return None
 
 
 def _rank_parameters(dist: "Probed") -> Check:
@@ -463,11 +451,15 @@ def _rank_parameters(dist: "Probed") -> Check:
     finals = [_vectors(dist, r) for r in range(dist.nproc)]
     for i, vec in enumerate(finals[0]):
         for rank in range(1, dist.nproc):
-            other = finals[rank][i] if i < len(finals[rank]) else None
-            if other is None or other.shape != vec.shape or (vec.numel() and float((other - vec).abs().max()) > 1e-6):
+            if not _same_vector(vec, finals[rank][i] if i < len(finals[rank]) else None):
                 return Check("parameters across ranks", "fail", f"at the end, optimizer {i}'s parameters on rank {rank} "
                              f"differ from rank 0's")
     return Check("parameters across ranks", "pass", f"identical on {dist.nproc} ranks after each of {counts[0]} steps")
+
+
+def _same_vector(a: Any, b: Any) -> bool:
+    """Two ranks' flattened parameters: the same shape, within RANK_RTOL of each other."""
+    return b is not None and a.shape == b.shape and (not a.numel() or float((a - b).abs().max()) <= RANK_RTOL)
 
 
 def _wrapped_models_across_ranks(dist: "Probed") -> Check:
@@ -481,8 +473,7 @@ def _wrapped_models_across_ranks(dist: "Probed") -> Check:
     for i, entry in enumerate(models[0]):
         first = torch.load(dist.out / entry["vector"])
         for rank in range(1, dist.nproc):
-            other = torch.load(dist.out / models[rank][i]["vector"]) if i < len(models[rank]) else None
-            if other is None or other.shape != first.shape or float((other - first).abs().max()) > 1e-6:
+            if not _same_vector(first, torch.load(dist.out / models[rank][i]["vector"]) if i < len(models[rank]) else None):
                 return Check(name, "fail", f"at the end, model {i} ({entry['module']}) on rank {rank} differs from "
                              f"rank 0's")
     return Check(name, "pass", f"no optimizer; the {len(models[0])} wrapped model(s) end identical on every rank")
@@ -516,12 +507,9 @@ def _as_reported(check: Check, report: str, what: str) -> Check:
     return Check(check.name, "skip", f"{what}, {REPORTED}: {reason[:200]}")
 
 
-def _samples(dist: "Probed", base: "Probed", report: str = "") -> Check:
-    """Each rank takes its own part of the data (unless the migration said it could not)."""
-    return _as_reported(_split(dist, base), report, "every rank trains on all the data")
-
-
-def _split(dist: "Probed", base: "Probed") -> Check:
+def _samples(dist: "Probed") -> Check:
+    """Each rank takes its own part of the data: a shard of the training sampler, or batches of
+    its own where there is no sampler."""
     n = dist.nproc
     reps = [rep for _, rep in sorted(dist.ranks.items())]
     main = _training_sampler(reps[0])
@@ -590,7 +578,7 @@ def _rank0_files(dist: "Probed") -> Check:
     for rank, rep in sorted(dist.ranks.items()):
         if not rank:
             continue
-        tmp = str(dist.work.parent / f"{dist.work.name}-tmp")
+        tmp = str(dist.tmp)
         paths = [s["path"] for s in rep.get("saves") or []] + list(rep.get("writes") or [])
         shared = [p for p in paths if not p.startswith((tmp, "/dev/"))]
         if shared:

@@ -109,7 +109,7 @@ class Tee:
     def __init__(self, stream) -> None:
         self.stream = stream
         self.parts: list = []
-        self.lines: list = []   # [optimizer steps before it, evaluation window or None, text]
+        self.lines: list = []   # [optimizer steps before it, evaluation window or None, text, script line]
         self._partial = ""
 
     def write(self, text):
@@ -271,6 +271,12 @@ def _optimizer_vector(optimizer) -> torch.Tensor:
     return torch.cat([p.detach().to("cpu", torch.float64).reshape(-1) for p in params])
 
 
+def _entry(optimizer) -> Optional[dict]:
+    """The record of `optimizer` (not of another object that reused its id), or None."""
+    entry = EXTRA.by_id.get(id(optimizer))
+    return entry if entry is not None and entry["optimizer"] is optimizer else None
+
+
 def _patch_optimizers() -> None:
     """Every Optimizer (subclasses call Optimizer.__init__), and whether each step moved it."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -280,14 +286,15 @@ def _patch_optimizers() -> None:
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         if EXTRA.active:
-            entry = {"optimizer": self, "initial": _optimizer_vector(self), "steps": 0, "changed": 0, "before": None}
+            entry = {"optimizer": self, "index": len(EXTRA.optimizers), "initial": _optimizer_vector(self),
+                     "steps": 0, "changed": 0, "before": None, "after": None}
             EXTRA.optimizers.append(entry)
             EXTRA.by_id[id(self)] = entry
 
     def before_step(optimizer, args, kwargs):
-        entry = EXTRA.by_id.get(id(optimizer))
-        if entry is not None and entry["optimizer"] is optimizer:
-            entry["before"] = _optimizer_vector(optimizer)
+        entry = _entry(optimizer)
+        if entry is not None:
+            entry["before"], entry["after"] = _optimizer_vector(optimizer), None
 
     def enter(module, inputs):
         EXTRA.depth += 1
@@ -308,10 +315,11 @@ def _patch_optimizers() -> None:
         if EXTRA.active and EXTRA.since_step and len(EXTRA.inputs) < MAX_INPUTS:
             EXTRA.inputs.append(hashlib.sha1("|".join(EXTRA.since_step).encode()).hexdigest()[:16])
         EXTRA.since_step = []
-        entry = EXTRA.by_id.get(id(optimizer))
-        if entry is not None and entry["optimizer"] is optimizer and entry["before"] is not None:
+        entry = _entry(optimizer)
+        if entry is not None and entry["before"] is not None:
+            entry["after"] = _optimizer_vector(optimizer)  # verify's step record reads it too
             entry["steps"] += 1
-            entry["changed"] += int(not torch.equal(entry["before"], _optimizer_vector(optimizer)))
+            entry["changed"] += int(not torch.equal(entry["before"], entry["after"]))
             entry["before"] = None
 
     __init__.__wrapped__ = original_init
@@ -619,9 +627,10 @@ def _patch_verify_steps() -> None:
         VERIFY.window = None
         VERIFY.progress = time.monotonic()
         if len(VERIFY.records) < MAX_STEP_RECORDS:
-            index = next((i for i, e in enumerate(EXTRA.optimizers) if e["optimizer"] is optimizer), None)
-            vector = _optimizer_vector(optimizer)
-            VERIFY.records.append({"optimizer": index, "losses": VERIFY.losses,
+            entry = _entry(optimizer)
+            vector = entry["after"] if entry is not None and entry["after"] is not None \
+                else _optimizer_vector(optimizer)
+            VERIFY.records.append({"optimizer": entry["index"] if entry is not None else None, "losses": VERIFY.losses,
                                    "params": [float(vector.sum()), float(vector.square().sum())],
                                    "backward_at": VERIFY.backward_at, "step_at": _script_line(2),
                                    "dtypes": sorted(VERIFY.loss_dtypes | {str(p.dtype).replace("torch.", "")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from gpumigrate.verify.runs import clean_env, run_bounded
+from gpumigrate.verify.runs import PEER_GONE, clean_env, run_bounded
 
 PROBE = Path(__file__).resolve().parent / "probe.py"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -88,9 +88,8 @@ class Probed:
         """One line: why the run failed (the root cause first), or None."""
         if self.returncode is None:
             return f"timed out after {self.timeout:g} s"
-        secondary = ("Connection closed by peer", "Connection reset", "stopping rank", "failed (")
-        ranked = sorted(self.ranks.items(), key=lambda item: (
-            any(s in str((item[1].get("error") or {}).get("message")) for s in secondary), item[0]))
+        ranked = sorted(self.ranks.items(), key=lambda item: (  # a peer's "the other rank went away" last
+            bool(PEER_GONE.search(str((item[1].get("error") or {}).get("message")))), item[0]))
         for rank, rep in ranked:
             err = rep.get("error")
             if err:
@@ -104,15 +103,18 @@ class Probed:
             return f"no probe report from ranks {sorted(set(range(self.nproc)) - set(self.ranks))}"
         return None
 
-    def where(self, traceback: str) -> Optional[str]:
-        """file:line of the innermost frame of the script's own code in a traceback."""
-        import re
+    @property
+    def tmp(self) -> Path:
+        """The run's TMPDIR (and its libraries' caches), beside its copy."""
+        return self.work.parent / f"{self.work.name}-tmp"
+
+    def where(self, stack: str, innermost_first: bool = False) -> Optional[str]:
+        """file:line of the innermost frame of the script's own code in a traceback (or, with
+        `innermost_first`, in a faulthandler dump, which lists the innermost frame first)."""
         root = str(self.script.parent) + os.sep
-        found = None
-        for path, line in re.findall(r'File "([^"]+)", line (\d+)', traceback):
-            if path.startswith(root):
-                found = f"{os.path.relpath(path, root)}:{line}"
-        return found
+        found = [f"{os.path.relpath(path, root)}:{line}"
+                 for path, line in re.findall(r'File "([^"]+)", line (\d+)', stack) if path.startswith(root)]
+        return (found[0] if innermost_first else found[-1]) if found else None
 
     def rank(self, r: int = 0) -> dict:
         return self.ranks.get(r, {})
@@ -181,11 +183,6 @@ def _inside(path: str, src: Path, copy: Path) -> str:
         return str(copy / Path(path).resolve().relative_to(src.resolve()))
     except ValueError:
         return path
-
-
-def _copy_run(tree: Path, dest: Path) -> None:
-    shutil.copytree(tree, dest, symlinks=True)
-    (dest.parent / f"{dest.name}-tmp").mkdir()
 
 
 def migrate_copy(tree: Path, script: Path, target: str) -> str:
@@ -299,9 +296,11 @@ class Session:
         tree = self.root / ("original" if original else "migrated")
         script = self.original if original else self.migrated
         work = self.root / "runs" / (work_name or name)
-        _copy_run(tree, work)
+        shutil.copytree(tree, work, symlinks=True)
         local = work / script.relative_to(tree)
         out = self.root / "runs" / f"{work.name}-probe"
+        probed = Probed(name, nproc, None, "", "", 0.0, work, local, out, opts.timeout)
+        probed.tmp.mkdir()
         launcher = [sys.executable] if nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd = [*launcher, str(PROBE), *probe_args, str(out), str(local), *opts.args]
@@ -309,15 +308,15 @@ class Session:
         # a PYTHONPATH folder inside the copied tree (the project's own package) is the copy's
         own = [_inside(p, self.src, work) for p in run_env.get("PYTHONPATH", "").split(os.pathsep) if p]
         paths = [str(PACKAGE_ROOT), *own]
-        run_env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="",
-                       PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=str(work.parent / f"{work.name}-tmp"),
-                       MPLBACKEND="Agg", GPUMIGRATE_VERIFY=json.dumps(self.config(original, nproc > 1)))
         # libraries that cache (matplotlib's fonts, torch hub, datasets) write into the run's tmp
-        tmp = str(work.parent / f"{work.name}-tmp")
-        run_env.update(MPLCONFIGDIR=tmp, XDG_CACHE_HOME=tmp, TORCH_HOME=os.path.join(tmp, "torch"))
+        tmp = str(probed.tmp)
+        run_env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", CUDA_VISIBLE_DEVICES="",
+                       PYTHONPATH=os.pathsep.join(p for p in paths if p), TMPDIR=tmp, MPLCONFIGDIR=tmp,
+                       XDG_CACHE_HOME=tmp, TORCH_HOME=os.path.join(tmp, "torch"), MPLBACKEND="Agg",
+                       GPUMIGRATE_VERIFY=json.dumps(self.config(original, nproc > 1)))
         run_env.update(env or {})
-        code, stdout, stderr, seconds = run_bounded(cmd, local.parent, run_env, opts.timeout)
-        probed = Probed(name, nproc, code, stdout, stderr, seconds, work, local, out, opts.timeout)
+        probed.returncode, probed.stdout, probed.stderr, probed.seconds = run_bounded(
+            cmd, local.parent, run_env, opts.timeout)
         for report in sorted(out.glob("rank*.json")):
             data = json.loads(report.read_text())
             probed.ranks[data["rank"]] = data
@@ -361,6 +360,7 @@ def _load_cached(key: str) -> Optional[tuple]:
 
 def _store_cached(key: str, run: Probed, batches: Optional[int], emulate: int, fallbacks: List[str]) -> None:
     folder = _cache_folder(key)
+    staging: Optional[Path] = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=folder.parent))
@@ -372,7 +372,8 @@ def _store_cached(key: str, run: Probed, batches: Optional[int], emulate: int, f
             "batches": batches, "emulate": emulate, "fallbacks": fallbacks}))
         os.replace(staging, folder)
     except OSError:  # a cache that cannot be written is no cache
-        shutil.rmtree(staging, ignore_errors=True) if "staging" in locals() else None
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def verify(opts: Options, progress: Optional[Callable[[str], None]] = None) -> "Verdict":

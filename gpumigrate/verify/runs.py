@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -12,6 +13,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 # A launcher's variables in the caller's environment must not leak into the runs.
 LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT"}
+
+
+# what a rank says when its peer, not itself, went away (gloo's errors, the runtime's stop): the
+# root cause is another rank's error, or the ranks called different collectives
+PEER_GONE = re.compile(r"Connection (reset|closed) by peer|remote worker|stopping rank|failed \(|collective mismatch|"
+                       r"Socket Timeout|wait timeout|Timed out waiting", re.I)
 
 
 def clean_env() -> Dict[str, str]:
