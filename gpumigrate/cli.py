@@ -211,7 +211,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     processed = _process(files, stdin_filename, plan, options, max_size=config.max_file_size, jobs=jobs,
                          cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout,
                          project=project)
-    for result in _progress(processed, len(files), "migrating") if quiet else processed:
+    for result in _progress(processed, len(files), "migrating"):
         results.append(result)
         _deliver(result, show_diff, check, output, reading_stdin, quiet, _colour(color))
     if vendor_dir is not None and not (quiet or reading_stdin or output == STDIN):
@@ -520,6 +520,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
 
     processed = _process(files, stdin_filename, plan, max_size=config.max_file_size, jobs=jobs,
                          cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
+    streaming = fmt == "text" and not show_diff and not (fix and reading_stdin)
     for result in _progress(processed, len(files), "linting"):
         if result.error:
             failed += 1
@@ -537,10 +538,12 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
                 _err(f"error: {result.error}")
                 continue
         fixed += sum(1 for f in result.findings if f.fixed)
-        for finding in result.findings:
-            if not finding.fixed:
-                located.append(report.Located(result.path, finding))
-                files_with.add(result.path)
+        mine = report.sort_findings([report.Located(result.path, f) for f in result.findings if not f.fixed])
+        if mine:
+            files_with.add(result.path)
+            located += mine
+            if streaming:  # each file's findings as it is done, not all at the end of a long run
+                _echo(report.as_text(mine), nl=False)
     located = report.sort_findings(located)
     infos = {r.code: report.RuleInfo(r.code, r.name, r.message, r.docs(), bool(r.fixed_in))
              for r in selection.rules}
@@ -550,12 +553,8 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         _echo(report.as_sarif(located, infos), nl=False)
     elif fmt == "github":
         _echo(report.as_github(located), nl=False)
-    elif not show_diff:
-        text = report.as_text(located)
-        if fix and reading_stdin:
-            click.echo(text, nl=False, err=True)
-        else:
-            _echo(text, nl=False)
+    elif not show_diff and not streaming:  # stdin's fixed source is the output: findings go to stderr
+        click.echo(report.as_text(located), nl=False, err=True)
     fixable = sum(1 for i in located if RULES_BY_CODE[i.finding.code].fixed_in and not i.finding.review)
     _lint_summary(len(located), fixable, fixed, len(files_with), len(files) - failed, failed, fix, show_diff)
     sys.exit(EXIT_ERROR if failed else EXIT_CHANGES if located else EXIT_OK)
@@ -578,12 +577,32 @@ def _lint_summary(found: int, fixable: int, fixed: int, files_with: int, checked
 
 
 def _progress(results: Iterable["FileResult"], count: int, label: str) -> Iterator["FileResult"]:
-    """A progress bar on a terminal, for runs long enough to want one."""
-    if count < 50 or not sys.stderr.isatty():
+    """A status line (`migrating 12/126`) on a terminal's standard error, below the lines
+    each file prints as it is done: it is erased before a result is handed out (whatever the
+    caller prints for it lands on a clean line) and drawn again after. click's progress bar
+    redraws on its own schedule, over the streamed lines, hence this small one."""
+    stream = sys.stderr
+    if count < 2 or not stream.isatty() or os.environ.get("TERM") == "dumb":
         yield from results
         return
-    with click.progressbar(results, length=count, label=label, file=sys.stderr, show_pos=True) as bar:
-        yield from bar
+    done = 0
+
+    def draw(text: str) -> None:
+        try:
+            stream.write(f"\r\x1b[K{text}")
+            stream.flush()
+        except OSError:
+            pass
+
+    draw(f"{label} {done}/{count}")
+    try:
+        for result in results:
+            draw("")
+            yield result
+            done += 1
+            draw(f"{label} {done}/{count}")
+    finally:
+        draw("")
 
 
 def _plural(n: int, word: str) -> str:

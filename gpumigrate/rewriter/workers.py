@@ -138,13 +138,11 @@ def process_tasks(tasks: Sequence[Task], jobs: Optional[int] = None,
     input order, each as soon as it and those before it are done. A task that runs longer
     than `timeout` seconds has its worker killed and is its file's error.
 
-    The largest files start first, so that one big file does not run alone at the end while
-    the other workers idle."""
+    Tasks start in input order too, so the first result comes after the first file, not
+    after the whole run (largest-first scheduling balanced the tail a little, but held
+    every line back until the small first file's turn came, at the end)."""
     jobs = max(1, jobs or default_jobs())
     order = list(range(len(tasks)))
-    if jobs > 1 and len(tasks) > 1:
-        sizes = [_size(task) for task in tasks]
-        order.sort(key=lambda i: -sizes[i])
     pool = _Pool(min(jobs, len(tasks)), timeout)
     done: Dict[int, FileResult] = {}
     following = 0
@@ -156,15 +154,6 @@ def process_tasks(tasks: Sequence[Task], jobs: Optional[int] = None,
                 following += 1
     finally:
         pool.close()
-
-
-def _size(task: Task) -> int:
-    if task.source is not None:
-        return len(task.source)
-    try:
-        return os.stat(task.path).st_size
-    except OSError:
-        return 0
 
 
 class _Worker:
