@@ -172,6 +172,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
 
     Exit 0 when done, 1 when --check finds files that would change, 2 on errors."""
     from gpumigrate.codemods import fixed_codes, passes_for, rules_for
+    from gpumigrate.codemods.advice import next_steps
     from gpumigrate.rewriter.vendor import VENDORED_MODULE
 
     reading_stdin, config = _inputs(paths, stdin_filename)
@@ -216,11 +217,15 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
         _deliver(result, show_diff, check, output, reading_stdin, quiet, _colour(color))
     if vendor_dir is not None and not (quiet or reading_stdin or output == STDIN):
         _vendor_note(results, vendor_dir, output)
+    steps = next_steps(results, target)
     if report_file:
-        _write_report(report_file, results, target, written=not (show_diff or check))
+        _write_report(report_file, results, target, written=not (show_diff or check), steps=steps)
     failed = sum(1 for r in results if r.error)
     changed = [r for r in results if r.changed and not r.error]
     _summary(results, changed, failed, dry=show_diff or check)
+    if not (quiet or show_diff or check or reading_stdin or output == STDIN):
+        for step in steps:
+            _err(f"next: {step}")
     if failed:
         sys.exit(EXIT_ERROR)
     if check and (changed or vendor_changed):
@@ -319,7 +324,9 @@ def _repairs() -> List[type]:
 def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optional[str], stdin: bool,
              quiet: bool, colour: Optional[bool]) -> None:
     """Show or write one migration result, and say what happened to it."""
-    from gpumigrate.rewriter.report import location
+    from dataclasses import replace
+
+    from gpumigrate.rewriter.report import location, position_map
     from gpumigrate.rewriter.run import write_result
 
     if result.error:
@@ -340,9 +347,15 @@ def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optiona
             return
     if quiet:
         return
+    # Written: the positions of the file the user now opens. Not written: the file as it is.
+    moved = position_map(result.path, result.source, result.new_source) if result.changed and not (
+        show_diff or check or to_stdout) else None
     for f in result.findings:
         if not f.fixed:
-            _err(f"{location(result.path, f)}: {f.code} review by hand: {f.message}")
+            if moved is not None:
+                cell, line = moved(f)
+                f = replace(f, cell=cell, line=line, col=f.col if line == f.line else 0)
+            _err(f"{location(output or result.path, f)}: {f.code} review by hand: {f.message}")
     if result.changed and not show_diff:
         edits = _plural(sum(1 for f in result.findings if f.fixed), "edit")
         if check:
@@ -375,13 +388,18 @@ def _check_report_path(path: str, inputs: Sequence[str]) -> None:
         raise click.UsageError(f"--report {path}: cannot write there")
 
 
-def _write_report(path: str, results: List["FileResult"], target: str, written: bool) -> None:
+def _write_report(path: str, results: List["FileResult"], target: str, written: bool,
+                  steps: Sequence[str] = ()) -> None:
     """What changed and what needs a human, per file: Markdown, or JSON for a .json name.
     Written as the scripts are: whole or not at all, never through a FIFO or device."""
     from gpumigrate.rewriter.files import Refused, write_atomic
     from gpumigrate.rewriter.report import migration_report
 
-    text = migration_report(results, target, json_format=path.endswith(".json"), written=written)
+    from gpumigrate.codemods import ALL_RULES
+
+    done = {rule.code: (rule.message, rule.done) for rule in ALL_RULES if rule.done}
+    text = migration_report(results, target, json_format=path.endswith(".json"), written=written, done=done,
+                            next_steps=steps)
     umask = os.umask(0)
     os.umask(umask)
     try:

@@ -344,7 +344,7 @@ def test_report_names_cells_and_their_migrated_lines(tmp_path):
         "import torch\n", ("markdown", "notes"),
         "from torch.autograd import Variable\nx = Variable(torch.ones(1).cuda())\ny = x.sum()\n"])).read_bytes())
     cli(nb, "--to", "device", "--report", tmp_path / "r.md")
-    assert ("- cell 3 line 1 (original cell 3 line 2): GM101 `.cuda()` hard-codes the device; use `.to(device)`"
+    assert ("- cell 3 line 1 (original cell 3 line 2): GM101 `.cuda()` → `.to(device)`"
             in (tmp_path / "r.md").read_text().splitlines())
 
 

@@ -78,6 +78,7 @@ class AmpSetup(Rule):
     """
 
     code = "GM500"
+    done = "autocast for the forward pass and loss, GradScaler for backward and step"
     name = "amp-setup"
     message = "mixed precision: autocast for the forward pass and loss, GradScaler for backward and step"
     fixed_in = frozenset({"amp"})
@@ -411,6 +412,7 @@ class ApexAmp(_MigratedByAmp):
     """
 
     code = "GM501"
+    done = "apex amp → torch.amp (autocast and GradScaler)"
     name = "apex-amp"
     message = "NVIDIA apex's amp is deprecated; use torch.amp (autocast and GradScaler)"
     fixed_in = frozenset({"amp"})
@@ -724,6 +726,7 @@ class HalfTraining(_MigratedByAmp):
     """
 
     code = "GM502"
+    done = "`.half()` training → autocast with float32 weights"
     name = "half-without-scaling"
     message = "`.half()` training has no loss scaling and float16 weights; use autocast (--to amp)"
     fixed_in = frozenset({"amp"})
@@ -871,6 +874,7 @@ class DeprecatedCudaAmp(Rule):
     """
 
     code = "GM503"
+    done = "`torch.cuda.amp` → `torch.amp`"
     name = "deprecated-cuda-amp"
     message = "`torch.cuda.amp` is deprecated and CUDA-only; use `torch.amp`"
     fixed_in = frozenset({"amp"})

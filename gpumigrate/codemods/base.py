@@ -43,6 +43,9 @@ class Rule:
     code: ClassVar[str] = ""
     name: ClassVar[str] = ""
     message: ClassVar[str] = ""
+    # What the fix does, for the migration report's "Changed" items (`.cuda()` → `.to(device)`):
+    # the message says what is wrong, which a user reading what was done does not need.
+    done: ClassVar[str] = ""
     fixed_in: ClassVar[FrozenSet[str]] = frozenset()  # targets whose migration applies the fix
     examples: ClassVar[Tuple[Example, ...]] = ()
     # The rule runs only on files containing one of these strings: a cheap pre-filter that

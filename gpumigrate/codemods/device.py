@@ -69,6 +69,7 @@ class CudaCall(Rule):
     """
 
     code = "GM101"
+    done = "`.cuda()` → `.to(device)`"
     name = "cuda-call"
     message = "`.cuda()` hard-codes the device; use `.to(device)`"
     fixed_in = frozenset({"device"})
@@ -163,6 +164,7 @@ class CudaTensorType(Rule):
     """
 
     code = "GM102"
+    done = "CUDA tensor type → a tensor built with a dtype and the device"
     name = "cuda-tensor-type"
     message = "CUDA tensor types exist only on CUDA builds; build tensors with a dtype and a device"
     fixed_in = frozenset({"device"})
@@ -280,6 +282,7 @@ class HardcodedDevice(Rule):
     """
 
     code = "GM103"
+    done = "hard-coded CUDA device → the device from `get_device()`"
     name = "hardcoded-device"
     message = "hard-coded CUDA device; use the device from `get_device()`"
     fixed_in = frozenset({"device"})
@@ -573,6 +576,7 @@ class LoadMapLocation(Rule):
     """
 
     code = "GM105"
+    done = "`torch.load` → `torch.load(..., map_location=device)`"
     name = "load-without-map-location"
     message = "`torch.load` without `map_location` restores tensors onto the device they were saved from"
     fixed_in = frozenset({"device"})
@@ -628,6 +632,7 @@ class LoadWholeModel(Rule):
     """
 
     code = "GM106"
+    done = "`torch.load` of a whole model → `weights_only=False` (load only files you trust)"
     name = "load-whole-model"
     message = ("`torch.load` of a whole pickled model fails since torch 2.6 (weights_only=True): "
                "passing weights_only=False, which runs pickled code; load only files you trust")
@@ -687,6 +692,7 @@ class CudaSynchronize(Rule):
     """
 
     code = "GM107"
+    done = "`torch.cuda.synchronize()` → `synchronize()` (any device)"
     name = "cuda-synchronize"
     message = "`torch.cuda.synchronize()` raises without a CUDA GPU; `synchronize()` waits for whichever device runs"
     fixed_in = frozenset({"device"})
@@ -821,6 +827,7 @@ class RuntimeImport(Rule):
     """
 
     code = "GM100"
+    done = "the runtime is imported from the vendored `gpumigrate_runtime` (torch only)"
     name = "runtime-import"
     message = ("with `--vendor-runtime`: import the runtime from the vendored `gpumigrate_runtime`, "
                "which needs only torch")

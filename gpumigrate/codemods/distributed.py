@@ -130,6 +130,7 @@ class DdpSetup(Rule):
     examples = (
         Flagged(
             "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    done = "DistributedDataParallel set-up"
             "loader = torch.utils.data.DataLoader(data, batch_size=8)\n"
             "for x in loader:\n    model(x).sum().backward()\n    opt.step()\n",
             fixed="import torch\nfrom gpumigrate.runtime import distributed_sampler, setup_distributed, wrap_model\n\n"
@@ -343,6 +344,7 @@ class DataParallelWrapper(Rule):
     examples = (
         Flagged(
             "import torch.nn as nn\nmodel = nn.DataParallel(Net())\nopt = make(model.parameters())\n"
+    done = "`nn.DataParallel` → DistributedDataParallel"
             "w = model.module.fc.weight\n",
         ),
         Clean("import torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(Net())\n"),
@@ -452,6 +454,7 @@ class DistributedSamplerRule(Rule):
         ),
         Clean("from torch.utils.data import DataLoader\nimport torch\n"
               "loader = DataLoader(ds, sampler=torch.utils.data.distributed.DistributedSampler(ds))\n"),
+    done = "data sharded per rank (DistributedSampler), reshuffled each epoch"
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -714,6 +717,7 @@ class CheckpointEveryRank(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
+    done = "`torch.save` from rank 0 only"
         self.plan = ddp_plan(self.ctx)
         self.models = {w.name for w in self.plan.wraps}
 
@@ -823,6 +827,7 @@ class LegacyLauncher(Rule):
             "import os\nparser.add_argument('--local_rank', type=int, default=0)\n",
             fixed="import os\nparser.add_argument('--local_rank', type=int, default=int(os.environ.get(\"LOCAL_RANK\", 0)))\n",
         ),
+    done = "`--local_rank`/`--rank`/`--world-size` → torchrun's LOCAL_RANK, RANK, WORLD_SIZE"
         Flagged(
             "import os\nparser.add_argument('--local_rank', type=int, default=-1)\n",
             fixed="import os\nparser.add_argument('--local_rank', type=int, default=int(os.environ.get(\"LOCAL_RANK\", -1)))\n",
@@ -927,6 +932,7 @@ class UnreducedMetric(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
+    done = "metric reduced over ranks"
         self.plan = ddp_plan(self.ctx)
 
     def _block(self, original, updated):
@@ -1131,6 +1137,7 @@ class WrappedAttribute(Rule):
             "import torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(net)\nh = model.init_hidden(4)\n",
         ),
         Clean("import torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(net)\nmodel.train()\n"
+    done = "attribute read through `unwrap_model(model)`"
               "ps = model.parameters()\n"),
         Clean("import torch.nn as nn\nmodel = Net()\nh = model.init_hidden(4)\n"),
     )
@@ -1232,6 +1239,7 @@ class RankZeroOutput(_BlockRule):
 
     def leave_SimpleStatementLine(self, original, updated):
         if not self.plan.active:
+    done = "output from rank 0 only"
             return None
         verdict = self._verdict(original)
         if verdict is False:
@@ -1410,6 +1418,7 @@ class PerRankValue(Rule):
             self.report(original.value, "a per-process value names files here, but not every rank reaches this "
                                         "line equally often (a helper, a branch or a loop on rank-local values): "
                                         "make the ranks agree on it by hand", review=True)
+    done = "every rank uses rank 0's value"
             return None
         self.report(original.value)
         return updated.with_changes(value=_call(self.ctx, "broadcast_object", [cst.Arg(updated.value)], self.fixing))
@@ -1465,6 +1474,7 @@ class MakedirsRace(Rule):
             return None
         self.report(original, "`exist_ok=True`: ranks racing to make the same folder no longer fail")
         return with_args(updated, [*updated.args, keyword_arg("exist_ok", cst.Name("True"))])
+    done = "`os.makedirs(..., exist_ok=True)`: ranks no longer race"
 
 
 _APEX_PARALLEL = {
@@ -1534,6 +1544,7 @@ class ApexParallel(Rule):
             return None
         dropped = [a.keyword.value for a in original.args if a.keyword is not None and a.keyword.value in _APEX_DDP_ONLY]
         why = f" (apex-only {', '.join(dropped)} dropped: torch's DDP overlaps its all-reduces itself)" if dropped else ""
+    done = "apex.parallel → torch.nn DistributedDataParallel / SyncBatchNorm"
         self.report(original, f"{self.message}{why}")
         if self.fixing:
             self.ctx.add_import("torch")
@@ -1611,6 +1622,7 @@ class DdpDeviceIds(Rule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if self.qualify(original.func) not in DDP_CLASSES or not original.args or original.args[0].keyword \
+    done = "`device_ids` dropped: `wrap_model` takes the model's own device"
                 or original.args[0].star:
             return None
         rest = original.args[1:]

@@ -91,6 +91,7 @@ class DataIndexScalar(Rule):
     """
 
     code = "GM201"
+    done = "`.data[0]` → `.item()`"
     name = "data-index-scalar"
     message = "`.data[0]` on a 0-dim tensor raises since torch 0.4; use `.item()`"
     fixed_in = frozenset({"device"})
@@ -186,6 +187,7 @@ class VariableWrapper(Rule):
     """
 
     code = "GM202"
+    done = "`Variable(x)` → `x`"
     name = "variable-wrapper"
     message = "`Variable` is a no-op since torch 0.4; use the tensor itself"
     fixed_in = frozenset({"device"})
@@ -446,6 +448,7 @@ class VolatileFlag(Rule):
     """
 
     code = "GM203"
+    done = "`volatile=True` → the code runs under `torch.no_grad()`"
     name = "volatile-flag"
     message = "`volatile=True` has no effect since torch 0.4; run this code under `torch.no_grad()`"
     fixed_in = frozenset({"device"})
@@ -548,6 +551,7 @@ class AsyncKwarg(Rule):
     """
 
     code = "GM205"
+    done = "`async=` → `non_blocking=`"
     name = "async-kwarg"
     message = "`async=` is a syntax error since Python 3.7; use `non_blocking=`"
     fixed_in = frozenset({"device"})
@@ -615,6 +619,7 @@ class VariableTypeCheck(Rule):
     """
 
     code = "GM206"
+    done = "`type(h) == Variable` → `isinstance(h, torch.Tensor)`"
     name = "variable-type-check"
     message = "`type(h) == Variable` is always False since torch 0.4; use `isinstance(h, torch.Tensor)`"
     fixed_in = frozenset({"device"})
@@ -702,6 +707,7 @@ class DataAccumulatorIndex(Rule):
     """
 
     code = "GM207"
+    done = "accumulated `.data` → `.item()`"
     name = "data-accumulator-index"
     message = "accumulated `.data` is a 0-dim tensor since torch 0.4: `total[0]` raises; accumulate `.item()`"
     fixed_in = frozenset({"device"})
@@ -764,6 +770,7 @@ class IteratorNextMethod(Rule):
     """
 
     code = "GM210"
+    done = "`it.next()` → `next(it)`"
     name = "iterator-next-method"
     message = "`.next()` on a DataLoader iterator is gone; use `next(it)`"
     fixed_in = frozenset({"device"})
@@ -818,6 +825,7 @@ class ScalarMetricAccumulation(Rule):
     """
 
     code = "GM209"
+    done = "0-dim tensor added into a number → `.item()`"
     name = "scalar-metric-accumulation"
     message = "a 0-dim tensor added into a number: it was a Python number before torch 0.4; use `.item()`"
     fixed_in = frozenset({"device"})
@@ -998,6 +1006,7 @@ class DeprecatedOverload(Rule):
     """
 
     code = "GM208"
+    done = "deprecated call form → today's form"
     name = "deprecated-overload"
     message = "deprecated call form"
     fixed_in = frozenset({"device"})

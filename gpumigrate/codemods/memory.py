@@ -96,6 +96,7 @@ class TensorAccumulation(Rule):
     """
 
     code = "GM301"
+    done = "accumulated graph tensor → `.item()`"
     name = "tensor-accumulation"
     message = "accumulating a graph tensor keeps every step's graph alive; use `.item()`"
     fixed_in = frozenset({"device"})
@@ -183,6 +184,7 @@ class TensorInContainer(Rule):
     """
 
     code = "GM302"
+    done = "stored graph tensor → `.item()`"
     name = "tensor-in-container"
     message = "storing a graph tensor keeps its step's graph alive; store `.item()`"
     fixed_in = frozenset({"device"})
@@ -390,6 +392,7 @@ class EvalWithoutNoGrad(Rule):
     """
 
     code = "GM303"
+    done = "evaluation runs under `torch.no_grad()`"
     name = "eval-without-no-grad"
     message = "evaluation without `torch.no_grad()` builds graphs it never uses"
     fixed_in = frozenset({"device"})
@@ -429,8 +432,10 @@ class EvalWithoutNoGrad(Rule):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
         if id(original) not in self.functions:
             return None
-        self.report(original.name, f"`{original.name.value}()` evaluates without `torch.no_grad()`; "
-                                   "it builds graphs it never uses")
+        name = original.name.value
+        self.report(original.name, f"`{name}()` runs under `@torch.no_grad()`: it evaluates, and built graphs it "
+                                   "never used" if self.fixing else
+                                   f"`{name}()` evaluates without `torch.no_grad()`; it builds graphs it never uses")
         if has_no_grad_decorator(updated):
             return None  # GM203 added it in this run
         return updated.with_changes(decorators=[*updated.decorators, no_grad_decorator(self.ctx)])
@@ -438,7 +443,8 @@ class EvalWithoutNoGrad(Rule):
     def _loop(self, original, updated):
         if id(original) not in self.loops:
             return None
-        self.report(original, "evaluation loop after `.eval()` without `torch.no_grad()`")
+        self.report(original, "evaluation loop after `.eval()` runs under `torch.no_grad()`" if self.fixing
+                    else "evaluation loop after `.eval()` without `torch.no_grad()`")
         return no_grad_with(self.ctx, updated)
 
     leave_For = leave_While = _loop
@@ -546,6 +552,7 @@ class HalfBatchNorm(Rule):
     """
 
     code = "GM305"
+    done = "BatchNorm kept in float32 under `.half()` (`keep_batchnorm_fp32`)"
     name = "half-batchnorm"
     message = "`.half()` puts BatchNorm in float16, which fails to converge; keep BatchNorm in float32"
     fixed_in = frozenset({"device"})

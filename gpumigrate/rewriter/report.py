@@ -6,8 +6,8 @@ import bisect
 import difflib
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from gpumigrate import __version__
 from gpumigrate.rewriter.engine import Finding
@@ -374,9 +374,12 @@ def not_applied(results: Sequence[Any]) -> Dict[str, int]:
     return counts
 
 
-def migration_report(results: Sequence[Any], target: str, *, json_format: bool = False, written: bool = True) -> str:
-    """What changed and what needs a human, per file, with counts first. Line numbers point
-    into the migrated file (the one the user now edits); identical items are grouped."""
+def migration_report(results: Sequence[Any], target: str, *, json_format: bool = False, written: bool = True,
+                     done: Optional[Mapping[str, Tuple[str, str]]] = None, next_steps: Sequence[str] = ()) -> str:
+    """What changed and what needs a human, per file, with counts first, and what to do next.
+    Line numbers point into the migrated file (the one the user now edits); identical items
+    are grouped. `done`: per code, (the rule's general message, what its fix does): a changed
+    item with the general message is worded as what was done."""
     files = []
     for r in results:
         where = _position_map(r)
@@ -384,8 +387,8 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
             "path": r.path, "changed": bool(r.changed and not r.error), "error": r.error,
             "edits": sum(1 for f in r.findings if f.fixed),
             "not_applied": sorted({f.not_applied for f in r.findings if f.not_applied and not r.error}),
-            "review": _grouped([f for f in r.findings if not f.fixed], where),
-            "fixed": _grouped([f for f in r.findings if f.fixed], where),
+            "review": _quoted(r, _grouped([f for f in r.findings if not f.fixed], where)),
+            "fixed": _grouped([_as_done(f, done or {}) for f in r.findings if f.fixed], where),
         })
     totals = {
         "files": len(files), "changed": sum(f["changed"] for f in files),
@@ -396,7 +399,7 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
     }
     if json_format:
         return json.dumps({"target": target, "written": written, "line_numbers": "migrated file",
-                           "summary": totals, "files": files}, indent=2) + "\n"
+                           "summary": totals, "next_steps": list(next_steps), "files": files}, indent=2) + "\n"
     out = [f"# gpumigrate --to {target}: migration report", "",
            f"{_count(totals['files'], 'file')}: {totals['changed']} changed ({_count(totals['edits'], 'edit')}), "
            f"{_count(totals['review'], 'item')} to review by hand, {_count(totals['errors'], 'error')}"
@@ -404,6 +407,8 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
            + ".", "",
            "Line numbers are those of the migrated file" + ("" if written else " (not written: --diff/--check)")
            + "; the original's follow in parentheses where they differ.", ""]
+    if next_steps:
+        out += ["## Next steps", ""] + [f"- {step}" for step in next_steps] + [""]
     for f in files:
         out += [f"## {f['path']}", ""]
         if f["error"]:
@@ -416,7 +421,29 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
                 out += [f"### {title}", ""] + [_item(g) for g in f[key]] + [""]
         if not (f["review"] or f["fixed"]):
             out += ["- nothing to change", ""]
-    return "\n".join(out)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _quoted(result: Any, groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Each review item with the text of its (first) line in the migrated file, the one the
+    user opens: what to look at, without a pre-migration text the file no longer has."""
+    if result.error or is_notebook(result.path):
+        return groups
+    text = result.new_source if result.changed else result.source
+    lines = (text or b"").decode("utf-8", "replace").splitlines()
+    for group in groups:
+        if group["lines"] and 1 <= group["lines"][0] <= len(lines):
+            code = lines[group["lines"][0] - 1].strip()
+            if code:
+                group["text"] = code if len(code) <= 120 else code[:117] + "..."
+    return groups
+
+
+def _as_done(finding: Finding, done: Mapping[str, Tuple[str, str]]) -> Finding:
+    """A changed item worded as what was done, where the finding says only the rule's general
+    problem; a finding's own words (naming the model, the metric) stay."""
+    general, wording = done.get(finding.code, ("", ""))
+    return replace(finding, message=wording) if wording and finding.message == general else finding
 
 
 def _places(group: Dict[str, Any], prefix: str = "") -> List[str]:
@@ -434,7 +461,12 @@ def _item(group: Dict[str, Any]) -> str:
         where = f"{'line' if len(places) == 1 else 'lines'} {', '.join(places)}"
     if places != original:
         where += f" (original {', '.join(original)})"
-    return f"- {where}: {group['code']} {group['message']}"
+    quoted = ""
+    if group.get("text"):
+        pad = " " if "`" in group["text"] else ""
+        tick = "``" if pad else "`"
+        quoted = f"\n  {tick}{pad}{group['text']}{pad}{tick}"
+    return f"- {where}: {group['code']} {group['message']}{quoted}"
 
 
 def _count(n: int, word: str) -> str:
