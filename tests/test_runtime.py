@@ -33,8 +33,15 @@ def internals(rt):
     return rt.distributed if rt is runtime else rt
 
 
+def fake_accelerator(monkeypatch, kind):
+    """torch >= 2.6 names the build's accelerator: this CPU-only build names none (None)."""
+    found = torch.device(kind) if kind else None
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: found)
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
+    fake_accelerator(monkeypatch, "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -47,12 +54,73 @@ def test_cpu_when_no_accelerator(monkeypatch, rt):
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rt.get_device() == torch.device("cpu")
     assert rt.get_device(1) == torch.device("cpu")
+    assert rt.accelerator_available() is False
 
 
-def test_mps_before_cpu(monkeypatch):
+def test_mps_before_cpu(monkeypatch, rt):
+    """A Mac's torch names MPS its accelerator; MPS has one device, named without an index."""
+    fake_accelerator(monkeypatch, "mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert rt.get_device() == torch.device("mps")
+    assert rt.get_device(1) == torch.device("mps")  # a model-parallel script runs on the one
+    assert rt.accelerator_available() is True
+    synced = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: synced.append("mps"))
+    rt.synchronize()
+    assert synced == ["mps"]
+
+
+def test_without_torch_accelerator_cuda_then_mps(monkeypatch, rt):
+    """torch < 2.6 has no `torch.accelerator`: CUDA, then MPS, then the CPU, as before."""
+    monkeypatch.delattr(torch, "accelerator")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert get_device() == torch.device("mps")
+    assert rt.get_device() == torch.device("mps")
+    assert rt.accelerator_available() is True
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert rt.get_device() == torch.device("cpu")
+    assert rt.accelerator_available() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rt.get_device() == torch.device("cuda", 1)
+
+
+@pytest.fixture
+def fake_xpu(monkeypatch):
+    """An accelerator torch knows only through `torch.accelerator` (here Intel's XPU), with two
+    devices."""
+    fake_accelerator(monkeypatch, "xpu")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+
+
+def test_any_accelerator_torch_names_is_found(fake_xpu, monkeypatch, rt):
+    assert rt.get_device() == torch.device("xpu", 0)
+    assert rt.get_device(1) == torch.device("xpu", 1)  # model parallelism keeps its second device
+    assert rt.get_device(3) == torch.device("xpu", 1)  # ... and wraps on fewer
+    assert rt.accelerator_available() is True
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun: this process's own device
+    assert rt.get_device() == torch.device("xpu", 1)
+    synced = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: synced.append(device))
+    rt.synchronize()
+    assert synced == [None]
+
+
+def test_a_build_s_accelerator_without_its_device_is_the_cpu(monkeypatch, rt):
+    """A CUDA build on a machine without a GPU names CUDA at build time: not available here."""
+    fake_accelerator(monkeypatch, "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rt.get_device() == torch.device("cpu")
+    assert rt.accelerator_available() is False
+    assert rt.synchronize() is None
 
 
 def test_cuda_first(fake_cuda, monkeypatch):

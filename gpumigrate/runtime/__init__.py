@@ -6,7 +6,7 @@ the only communication per training step is the gradient averaging data parallel
 """
 
 from gpumigrate.runtime.averaging import average_gradients
-from gpumigrate.runtime.device import get_device, synchronize, tensor_type
+from gpumigrate.runtime.device import accelerator_available, get_device, synchronize, tensor_type
 from gpumigrate.runtime.distributed import (
     barrier,
     broadcast_object,
@@ -36,6 +36,7 @@ from gpumigrate.runtime.precision import (
 )
 
 __all__ = [
+    "accelerator_available",
     "amp_dtype",
     "autocast",
     "average_gradients",

@@ -3,17 +3,54 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
-def _accelerator_count() -> int:
+def _accelerator() -> Optional[str]:
+    """The type of the accelerator this process can use ("cuda", "mps", "xpu", ...), or None.
+
+    torch >= 2.6 names it (`torch.accelerator`), so XPU and the other backends are found
+    too; older torch is asked for CUDA, then Apple's MPS."""
+    api = getattr(torch, "accelerator", None)
+    if api is not None and hasattr(api, "current_accelerator"):
+        found = api.current_accelerator()  # the build's accelerator (None on CPU-only builds) ...
+        if found is None:
+            return None
+        available = getattr(api, "is_available", None)  # ... usable here: a driver and a device
+        usable = available() if available is not None else api.device_count() > 0
+        return found.type if usable else None
     if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 0
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return None
+
+
+def accelerator_available() -> bool:
+    """Whether `get_device()` picks an accelerator (CUDA, MPS, XPU, ...) rather than the CPU:
+    what `torch.cuda.is_available()` meant in a script written for CUDA only, so that
+    `args.cuda = not args.no_cuda and accelerator_available()` keeps `--no-cuda`'s meaning
+    and still runs on a Mac's GPU."""
+    return _accelerator() is not None
+
+
+def _current_index(kind: str) -> int:
+    """This process's device index: LOCAL_RANK's under torchrun, else the current one."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        return int(local_rank)
+    if kind == "cuda":
+        return torch.cuda.current_device()
+    api = torch.accelerator
+    current = getattr(api, "current_device_index", None) or getattr(api, "current_device_idx", None)
+    return current() if current is not None else 0
+
 
 def get_device(index: Union[int, torch.device, str, None] = None) -> torch.device:
-    """The device to run on: CUDA, then Apple's MPS, then the CPU.
+    """The device to run on: the accelerator (CUDA, MPS, XPU, ... as `torch.accelerator`
+    finds it on torch >= 2.6; CUDA then MPS on older torch), else the CPU.
 
     `index` picks the n-th GPU for model-parallel scripts (`encoder.cuda(0)`,
     `decoder.cuda(1)`); with fewer GPUs than asked for, indices wrap around, so a two-GPU
@@ -22,26 +59,31 @@ def get_device(index: Union[int, torch.device, str, None] = None) -> torch.devic
     """
     if isinstance(index, (torch.device, str)):
         return torch.device(index)  # `.cuda(some_device)` named its device already
-    if torch.cuda.is_available():
-        if index is None:
-            index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-        return torch.device("cuda", index % _accelerator_count())
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    kind = _accelerator()
+    if kind is None:
+        return torch.device("cpu")
+    if kind == "mps":
+        return torch.device("mps")  # one device, no index (as torch names it)
+    count = torch.cuda.device_count() if kind == "cuda" else torch.accelerator.device_count()
+    if index is None:
+        index = _current_index(kind)
+    return torch.device(kind, index % max(count, 1))
+
 
 def synchronize(device: Union[int, torch.device, str, None] = None) -> None:
     """Wait for the work queued on the accelerator (what `torch.cuda.synchronize()` did for
-    CUDA): on MPS it waits for MPS, and without an accelerator it returns at once, where
-    `torch.cuda.synchronize()` raises "Found no NVIDIA driver"."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize(device)
+    CUDA): on MPS it waits for MPS, on XPU for XPU, and without an accelerator it returns at
+    once, where `torch.cuda.synchronize()` raises "Found no NVIDIA driver"."""
+    kind = _accelerator()
+    if kind is None:
         return
-    mps = getattr(torch, "mps", None)
-    backend = getattr(torch.backends, "mps", None)
-    if mps is not None and backend is not None and backend.is_available():
-        mps.synchronize()
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+    else:
+        torch.accelerator.synchronize(device)
+
 
 class tensor_type:  # noqa: N801  (named like the legacy types it replaces)
     """A stand-in for the legacy `torch.cuda.FloatTensor`-style constructors, on any device.
