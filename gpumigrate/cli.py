@@ -536,7 +536,10 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
         rules = selection.for_file(name)
         return [(rules, [r.code for r in rules if r.fixed_in] if fix else [])]
 
-    processed = _process(files, stdin_filename, plan, max_size=config.max_file_size, jobs=jobs,
+    from gpumigrate.codemods import OPT_IN, opted_in  # a rule named in full also reports its migration notes
+
+    processed = _process(files, stdin_filename, plan, {OPT_IN: opted_in(selection.chosen)},
+                         max_size=config.max_file_size, jobs=jobs,
                          cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
     streaming = fmt == "text" and not show_diff and not (fix and reading_stdin)
     for result in _progress(processed, len(files), "linting"):
@@ -648,7 +651,7 @@ def _summary(results: List["FileResult"], changed: List["FileResult"], failed: i
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown"]), default="text", show_default=True)
 def list_rules(fmt: str) -> None:
     """List every rule: code, name, and the targets that fix it."""
-    from gpumigrate.codemods import ALL_RULES
+    from gpumigrate.codemods import ALL_RULES, opt_in_note
 
     rules = sorted(ALL_RULES, key=lambda r: r.code)
     if fmt == "markdown":
@@ -659,18 +662,18 @@ def list_rules(fmt: str) -> None:
     for rule in rules:
         fix = ", ".join(sorted(rule.fixed_in)) or "lint only"
         step = "" if rule.lint else " (a migration step; `lint` does not report it)"
-        _echo(f"{rule.code:<6} {rule.name:<{width}}  {fix:<9} {rule.message}{step}")
+        _echo(f"{rule.code:<6} {rule.name:<{width}}  {fix:<9} {rule.message}{step}{opt_in_note(rule)}")
 
 
 def rules_markdown() -> str:
     """The rule table of the README, generated from the rule classes."""
-    from gpumigrate.codemods import ALL_RULES
+    from gpumigrate.codemods import ALL_RULES, opt_in_note
 
     lines = ["| code | name | fixed by | message |", "|---|---|---|---|"]
     for rule in sorted(ALL_RULES, key=lambda r: r.code):
         fix = ", ".join(f"`{t}`" for t in sorted(rule.fixed_in)) or "lint only"
         step = " (a migration step; `lint` does not report it)" if not rule.lint else ""
-        message = rule.message.replace("|", "\\|")
+        message = (rule.message + opt_in_note(rule)).replace("|", "\\|")
         lines.append(f"| {rule.code} | {rule.name} | {fix} | {message}{step} |")
     return "\n".join(lines) + "\n"
 
@@ -679,14 +682,14 @@ def rules_markdown() -> str:
 @click.argument("code")
 def explain(code: str) -> None:
     """Print a rule's documentation and examples."""
-    from gpumigrate.codemods import RULES_BY_CODE
+    from gpumigrate.codemods import RULES_BY_CODE, opt_in_note
     from gpumigrate.codemods.base import Clean, Flagged
 
     rule = RULES_BY_CODE.get(code.upper())
     if rule is None:
         raise click.BadParameter(f"no rule {code!r}; `gpumigrate rules` lists them", param_hint="CODE")
     fix = ", ".join(sorted(rule.fixed_in)) or "none (lint only)"
-    _echo(f"{rule.code} ({rule.name})\n\n{rule.message}\n\nFixed by the migration to: {fix}\n")
+    _echo(f"{rule.code} ({rule.name})\n\n{rule.message}{opt_in_note(rule)}\n\nFixed by the migration to: {fix}\n")
     _echo(rule.docs())
     flagged = [e for e in rule.examples if isinstance(e, Flagged)]
     clean = [e for e in rule.examples if isinstance(e, Clean)]

@@ -217,3 +217,82 @@ def test_config_default_target(tmp_path, script):
     (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate]\ntarget = "device"\n')
     result = CliRunner().invoke(main, [str(script), "--check"])
     assert result.exit_code == 1
+
+
+# Lint reports the code as it is (issue 20, item 5): what holds only once a DataParallel script
+# is migrated to DDP is in the migration's report, and in lint only for a rule named in full.
+DATA_PARALLEL = textwrap.dedent("""\
+    import torch
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model = nn.DataParallel(Net())
+    model.load_state_dict(torch.load("ckpt.pt", map_location="cpu"))
+    print(model.module.fc.weight.sum().item())
+    torch.save(model.state_dict(), "ckpt.pt")
+    """)
+
+
+def codes_at(output):
+    return sorted((int(line.split(":")[1]), line.split()[1]) for line in output.splitlines())
+
+
+def test_lint_reports_a_data_parallel_script_as_it_is(tmp_path):
+    path = tmp_path / "dp.py"
+    path.write_text(DATA_PARALLEL)
+    result = lint(path)
+    # DataParallel itself is a fact of the script; its `module.` keys and `model.module` are right
+    # as long as it keeps DataParallel.
+    assert codes_at(result.stdout) == [(12, "GM401")], result.stdout
+    assert "module.`-prefixed" not in result.stdout and "AttributeError under DDP" not in result.stdout
+    assert lint(path, "--select", "GM4").stdout == result.stdout  # a prefix does not opt in
+
+
+def test_a_rule_named_in_full_reports_its_migration_notes(tmp_path):
+    path = tmp_path / "dp.py"
+    path.write_text(DATA_PARALLEL)
+    notes = lint(path, "--select", "GM401,GM409").stdout
+    assert codes_at(notes) == [(12, "GM401"), (13, "GM401"), (13, "GM409"), (14, "GM401"), (15, "GM409")], notes
+    only_401 = lint(path, "--select", "GM401").stdout
+    assert codes_at(only_401) == [(12, "GM401"), (13, "GM401"), (14, "GM401")], only_401
+
+
+def test_the_ddp_migration_still_makes_the_edits_lint_leaves_out(tmp_path):
+    path = tmp_path / "dp.py"
+    path.write_text(DATA_PARALLEL)
+    result = CliRunner().invoke(main, ["migrate", "--to", "ddp", "--diff", str(path)], catch_exceptions=False)
+    assert "without_module_prefix(torch.load(" in result.stdout and "unwrap_model(model).fc" in result.stdout
+
+
+def test_custom_attribute_through_data_parallel_is_reported_as_it_is(tmp_path):
+    path = tmp_path / "rnn.py"
+    path.write_text("import torch.nn as nn\nmodel = nn.DataParallel(Net())\nh = model.init_hidden(4)\n")
+    out = lint(path).stdout
+    # DataParallel forwards no custom attribute: this raises today, without any DDP.
+    assert "GM409 `model.init_hidden` through `nn.DataParallel` raises AttributeError" in out, out
+    assert "`model.module.init_hidden`" in out and "under DDP" not in out
+
+
+def test_a_script_under_ddp_gets_its_state_dict_finding(tmp_path):
+    # Under DDP the `module.` keys are the script's own fact: its checkpoints do not load into
+    # the plain model.
+    path = tmp_path / "ddp.py"
+    path.write_text("import torch\nimport torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(Net())\n"
+                    "torch.save(model.state_dict(), 'ckpt.pt')\n")
+    assert codes_at(lint(path).stdout) == [(4, "GM409")]
+
+
+def test_rules_and_explain_say_which_findings_need_the_full_code():
+    rules = CliRunner().invoke(main, ["rules"]).stdout
+    line = next(row for row in rules.splitlines() if row.startswith("GM409"))
+    assert "lint reports them only with `--select GM409`" in line
+    assert "only with `--select`" not in next(row for row in rules.splitlines() if row.startswith("GM101"))
+    explained = CliRunner().invoke(main, ["explain", "GM401"]).stdout
+    assert "lint reports them only with `--select GM401`" in explained

@@ -18,7 +18,8 @@ from gpumigrate.codemods.device import (
     LoadWholeModel,
     RuntimeImport,
 )
-from gpumigrate.codemods.distributed import (
+from gpumigrate.codemods.distributed import (  # noqa: F401  (OPT_IN re-exported)
+    OPT_IN,
     ApexParallel,
     BatchNormWithoutSync,
     CheckpointEveryRank,
@@ -145,6 +146,22 @@ def passes_for(target: str, rules: Sequence[Type[Rule]]) -> List[Tuple[List[Type
         if here:
             out.append((here, [r.code for r in here if r.fixed_in & bases]))
     return out
+
+
+def opted_in(chosen: Sequence[str]) -> Tuple[str, ...]:
+    """The codes among `chosen` named in full (`GM409`; a prefix such as `GM4` is not enough)
+    of rules that have `migration_notes`: for those, lint reports what holds only after a
+    migration too, as ruff reports its opt-in rules only when named. Lint passes them to the
+    rules under the option `OPT_IN`."""
+    named = {code.upper() for code in chosen}
+    return tuple(rule.code for rule in ALL_RULES if rule.code in named and getattr(rule, "migration_notes", ""))
+
+
+def opt_in_note(rule: Type[Rule]) -> str:
+    """For `rules` and `explain`: what of the rule's findings `lint` reports only when the rule
+    is named (` (... : lint reports them with --select GM409)`), else ''."""
+    notes = getattr(rule, "migration_notes", "")
+    return f" ({notes}: true after a migration; lint reports them only with `--select {rule.code}`)" if notes else ""
 
 
 def select(chosen: List[str], ignored: List[str], *, lint: bool = True) -> List[Type[Rule]]:

@@ -10,7 +10,7 @@ is unknown the plan takes the safe form and GM400 reports it for review.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import libcst as cst
 
@@ -42,6 +42,19 @@ from gpumigrate.rewriter.lazy import matchers as m
 DATA_PARALLEL = ("torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
                  "torch.nn.parallel.data_parallel.DataParallel")
 DDP_CLASSES = ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel")
+
+
+# The option under which `lint` passes the codes selected by their full code (`--select GM409`):
+# for those alone it reports what is true only once a script is migrated to DDP (ruff's
+# opt-in rules). Lint reports the code as it is.
+OPT_IN = "opt_in"
+
+
+def after_migration(rule: Rule) -> bool:
+    """Report a finding that holds only after a migration (the `module.` prefix a DataParallel
+    checkpoint brings to a plain model): where the rule fixes it (the migration lists it), or
+    where lint was asked for the rule by its code."""
+    return rule.fixing or rule.code in rule.ctx.options.get(OPT_IN, ())
 
 
 def _call(ctx, name: str, args: Sequence[cst.Arg] = (), fixing: bool = True) -> cst.Call:
@@ -117,6 +130,7 @@ class DdpSetup(Rule):
     """
 
     code = "GM400"
+    done = "DistributedDataParallel set-up"
     name = "ddp-setup"
     message = "single-process training: wrap the model in DistributedDataParallel"
     fixed_in = frozenset({"ddp"})
@@ -130,7 +144,6 @@ class DdpSetup(Rule):
     examples = (
         Flagged(
             "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-    done = "DistributedDataParallel set-up"
             "loader = torch.utils.data.DataLoader(data, batch_size=8)\n"
             "for x in loader:\n    model(x).sum().backward()\n    opt.step()\n",
             fixed="import torch\nfrom gpumigrate.runtime import distributed_sampler, setup_distributed, wrap_model\n\n"
@@ -328,11 +341,17 @@ class DataParallelWrapper(Rule):
     ```
     Checkpoints the DataParallel script wrote have `module.`-prefixed keys: their
     `load_state_dict` goes through `without_module_prefix()`, so they still load.
+
+    `gpumigrate lint` reports the DataParallel call. What holds only once it is gone (the
+    `module.` keys of its checkpoints, `model.module` of a model no longer wrapped) is in the
+    ddp migration's report, and in lint only with `--select GM401`.
     """
 
     code = "GM401"
+    done = "`nn.DataParallel` → DistributedDataParallel"
     name = "data-parallel"
     message = "`nn.DataParallel` is single-process and slower than DistributedDataParallel"
+    migration_notes = "`module.` keys and `model.module` once DataParallel is gone"
     fixed_in = frozenset({"ddp"})
     triggers = ("DataParallel",)
 
@@ -344,7 +363,6 @@ class DataParallelWrapper(Rule):
     examples = (
         Flagged(
             "import torch.nn as nn\nmodel = nn.DataParallel(Net())\nopt = make(model.parameters())\n"
-    done = "`nn.DataParallel` → DistributedDataParallel"
             "w = model.module.fc.weight\n",
         ),
         Clean("import torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(Net())\n"),
@@ -375,6 +393,8 @@ class DataParallelWrapper(Rule):
             first = updated.args[0]
             if m.matches(first.value, m.Call(func=m.Name(value=m.MatchIfTrue(lambda n: n.endswith("without_module_prefix"))))):
                 return None
+            if not after_migration(self):  # the DataParallel script loads its own `module.` keys
+                return None
             self.report(original, "the DataParallel script saved `module.`-prefixed keys: loading them through "
                                   "`without_module_prefix()` keeps its checkpoints usable")
             value = _call(self.ctx, "without_module_prefix", [cst.Arg(first.value)], self.fixing)
@@ -384,8 +404,8 @@ class DataParallelWrapper(Rule):
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         # `model.module` reaches the user's module: unwrap_model works with or without a wrapper
         if original.attr.value != "module" or not m.matches(original.value, m.Name()) \
-                or original.value.value not in self.wrapped:
-            return None
+                or original.value.value not in self.wrapped or not after_migration(self):
+            return None  # `.module` of the DataParallel wrapper is right as long as it stays
         self.report(original, "`.module` exists only on a wrapped model; `unwrap_model(model)` works in one process too")
         return _call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing)
 
@@ -439,6 +459,7 @@ class DistributedSamplerRule(Rule):
     """
 
     code = "GM402"
+    done = "data sharded per rank (DistributedSampler), reshuffled each epoch"
     name = "sampler-set-epoch"
     message = "each rank must see its own part of the data, in a new order each epoch"
     fixed_in = frozenset({"ddp"})
@@ -454,7 +475,6 @@ class DistributedSamplerRule(Rule):
         ),
         Clean("from torch.utils.data import DataLoader\nimport torch\n"
               "loader = DataLoader(ds, sampler=torch.utils.data.distributed.DistributedSampler(ds))\n"),
-    done = "data sharded per rank (DistributedSampler), reshuffled each epoch"
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -702,6 +722,7 @@ class CheckpointEveryRank(Rule):
     """
 
     code = "GM404"
+    done = "`torch.save` from rank 0 only"
     name = "checkpoint-every-rank"
     message = "`torch.save` on every rank: save from rank 0 only"
     fixed_in = frozenset({"ddp"})
@@ -717,7 +738,6 @@ class CheckpointEveryRank(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-    done = "`torch.save` from rank 0 only"
         self.plan = ddp_plan(self.ctx)
         self.models = {w.name for w in self.plan.wraps}
 
@@ -812,6 +832,7 @@ class LegacyLauncher(Rule):
     """
 
     code = "GM405"
+    done = "`--local_rank`/`--rank`/`--world-size` → torchrun's LOCAL_RANK, RANK, WORLD_SIZE"
     name = "legacy-launcher"
     message = "torchrun passes no `--local_rank`, `--rank` or `--world-size`: it sets LOCAL_RANK, RANK and WORLD_SIZE"
     fixed_in = frozenset({"ddp"})
@@ -827,7 +848,6 @@ class LegacyLauncher(Rule):
             "import os\nparser.add_argument('--local_rank', type=int, default=0)\n",
             fixed="import os\nparser.add_argument('--local_rank', type=int, default=int(os.environ.get(\"LOCAL_RANK\", 0)))\n",
         ),
-    done = "`--local_rank`/`--rank`/`--world-size` → torchrun's LOCAL_RANK, RANK, WORLD_SIZE"
         Flagged(
             "import os\nparser.add_argument('--local_rank', type=int, default=-1)\n",
             fixed="import os\nparser.add_argument('--local_rank', type=int, default=int(os.environ.get(\"LOCAL_RANK\", -1)))\n",
@@ -917,6 +937,7 @@ class UnreducedMetric(Rule):
     """
 
     code = "GM406"
+    done = "metric reduced over ranks"
     name = "unreduced-metric"
     message = "a metric summed over one rank's shard is not the whole test set's: reduce it over ranks"
     fixed_in = frozenset({"ddp"})
@@ -932,7 +953,6 @@ class UnreducedMetric(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
-    done = "metric reduced over ranks"
         self.plan = ddp_plan(self.ctx)
 
     def _block(self, original, updated):
@@ -1119,11 +1139,18 @@ class WrappedAttribute(Rule):
     hidden = unwrap_model(model).init_hidden(args.batch_size)
     ```
     Only uses that run after the model is wrapped are rewritten.
+
+    `nn.DataParallel` forwards no custom attribute either, so lint reports those through it
+    as they are. The `module.` keys of a DataParallel model's `state_dict` are right as long
+    as the script keeps DataParallel: they are in the ddp migration's report, and in lint
+    only with `--select GM409`. Under DDP they are reported.
     """
 
     code = "GM409"
+    done = "attribute read through `unwrap_model(model)`"
     name = "wrapped-attribute"
-    message = "custom attribute of a wrapped model: `AttributeError` under DDP; use `unwrap_model(model)`"
+    message = "custom attribute of a DataParallel/DDP-wrapped model raises `AttributeError`; use `unwrap_model(model)`"
+    migration_notes = "`module.` keys of a DataParallel model's state_dict"
     fixed_in = frozenset({"ddp"})
     triggers = ("parameters", "DistributedDataParallel", "DataParallel")
 
@@ -1137,31 +1164,41 @@ class WrappedAttribute(Rule):
             "import torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(net)\nh = model.init_hidden(4)\n",
         ),
         Clean("import torch.nn as nn\nmodel = nn.parallel.DistributedDataParallel(net)\nmodel.train()\n"
-    done = "attribute read through `unwrap_model(model)`"
               "ps = model.parameters()\n"),
         Clean("import torch.nn as nn\nmodel = Net()\nh = model.init_hidden(4)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = ddp_plan(self.ctx)
+        self.data_parallel: Set[str] = set()  # names only ever bound to an `nn.DataParallel` wrapper
         if self.fixing and "GM400" in self.ctx.fixing:  # --to ddp wraps the models (not `lint --fix`)
             self.wrapped = self.plan.wrapped_reference
             return
         wrappers = DATA_PARALLEL + DDP_CLASSES
-        names = {a.targets[0].target.value for a in name_assigns(node)
-                 if type(a.value) is cst.Call and self.qualify(a.value.func) in wrappers}
-        self.wrapped = lambda ref: isinstance(ref, cst.Name) and ref.value in names
+        kinds: Dict[str, Set[bool]] = {}
+        for a in name_assigns(node):
+            qualified = self.qualify(a.value.func) if type(a.value) is cst.Call else None
+            if qualified in wrappers:
+                kinds.setdefault(a.targets[0].target.value, set()).add(qualified in DATA_PARALLEL)
+        self.data_parallel = {name for name, dp in kinds.items() if dp == {True}}
+        self.wrapped = lambda ref: isinstance(ref, cst.Name) and ref.value in kinds
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         attr = original.attr.value
         if attr in _SAFE_ATTRIBUTES or attr.startswith("__") or not self.wrapped(original.value):
             return None
         name = dotted(original.value)
+        data_parallel = isinstance(original.value, cst.Name) and original.value.value in self.data_parallel
         if attr in ("state_dict", "load_state_dict"):
-            why = f"`{name}.{attr}` of a wrapped model has `module.`-prefixed keys"
+            if data_parallel and not after_migration(self):
+                return None  # a DataParallel script saves and loads its own `module.` keys: right as it is
+            why = f"`{name}.{attr}` of a wrapped model has `module.`-prefixed keys; use `unwrap_model({name})`"
+        elif data_parallel:  # true of the script as it is: DataParallel forwards no attributes either
+            why = (f"`{name}.{attr}` through `nn.DataParallel` raises AttributeError (the wrapper has only the "
+                   f"nn.Module API); use `{name}.module.{attr}` or `unwrap_model({name})`")
         else:
-            why = f"`{name}.{attr}` through a wrapped model raises AttributeError under DDP"
-        self.report(original, f"{why}; use `unwrap_model({name})`")
+            why = f"`{name}.{attr}` through a wrapped model raises AttributeError under DDP; use `unwrap_model({name})`"
+        self.report(original, why)
         return updated.with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing))
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
@@ -1213,6 +1250,7 @@ class RankZeroOutput(_BlockRule):
     """
 
     code = "GM410"
+    done = "output from rank 0 only"
     name = "rank-zero-output"
     message = "output on every rank: print and log from rank 0 only"
     fixed_in = frozenset({"ddp"})
@@ -1239,7 +1277,6 @@ class RankZeroOutput(_BlockRule):
 
     def leave_SimpleStatementLine(self, original, updated):
         if not self.plan.active:
-    done = "output from rank 0 only"
             return None
         verdict = self._verdict(original)
         if verdict is False:
@@ -1392,6 +1429,7 @@ class PerRankValue(Rule):
     """
 
     code = "GM411"
+    done = "every rank uses rank 0's value"
     name = "per-rank-value"
     message = "a value that differs per process: every rank must use rank 0's"
     fixed_in = frozenset({"ddp"})
@@ -1418,7 +1456,6 @@ class PerRankValue(Rule):
             self.report(original.value, "a per-process value names files here, but not every rank reaches this "
                                         "line equally often (a helper, a branch or a loop on rank-local values): "
                                         "make the ranks agree on it by hand", review=True)
-    done = "every rank uses rank 0's value"
             return None
         self.report(original.value)
         return updated.with_changes(value=_call(self.ctx, "broadcast_object", [cst.Arg(updated.value)], self.fixing))
@@ -1448,6 +1485,7 @@ class MakedirsRace(Rule):
     """
 
     code = "GM414"
+    done = "`os.makedirs(..., exist_ok=True)`: ranks no longer race"
     name = "makedirs-race"
     message = "ranks racing to make the same folder: all but the first fail with FileExistsError"
     fixed_in = frozenset({"ddp"})
@@ -1474,7 +1512,6 @@ class MakedirsRace(Rule):
             return None
         self.report(original, "`exist_ok=True`: ranks racing to make the same folder no longer fail")
         return with_args(updated, [*updated.args, keyword_arg("exist_ok", cst.Name("True"))])
-    done = "`os.makedirs(..., exist_ok=True)`: ranks no longer race"
 
 
 _APEX_PARALLEL = {
@@ -1518,6 +1555,7 @@ class ApexParallel(Rule):
     """
 
     code = "GM412"
+    done = "apex.parallel → torch.nn DistributedDataParallel / SyncBatchNorm"
     name = "apex-parallel"
     message = "apex.parallel is unmaintained; torch.nn has DistributedDataParallel and SyncBatchNorm"
     fixed_in = frozenset({"ddp", "amp"})  # amp: a migrated apex script needs no apex at all
@@ -1544,7 +1582,6 @@ class ApexParallel(Rule):
             return None
         dropped = [a.keyword.value for a in original.args if a.keyword is not None and a.keyword.value in _APEX_DDP_ONLY]
         why = f" (apex-only {', '.join(dropped)} dropped: torch's DDP overlaps its all-reduces itself)" if dropped else ""
-    done = "apex.parallel → torch.nn DistributedDataParallel / SyncBatchNorm"
         self.report(original, f"{self.message}{why}")
         if self.fixing:
             self.ctx.add_import("torch")
@@ -1596,6 +1633,7 @@ class DdpDeviceIds(Rule):
     """
 
     code = "GM413"
+    done = "`device_ids` dropped: `wrap_model` takes the model's own device"
     name = "ddp-device-ids"
     message = "DistributedDataParallel with `device_ids` runs on GPUs only; wrap_model takes the model's own device"
     fixed_in = frozenset({"ddp"})
@@ -1622,7 +1660,6 @@ class DdpDeviceIds(Rule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if self.qualify(original.func) not in DDP_CLASSES or not original.args or original.args[0].keyword \
-    done = "`device_ids` dropped: `wrap_model` takes the model's own device"
                 or original.args[0].star:
             return None
         rest = original.args[1:]
