@@ -1011,6 +1011,10 @@ class DeprecatedOverload(Rule):
     message = "deprecated call form"
     fixed_in = frozenset({"device"})
 
+    def _deprecated(self, node: cst.CSTNode, old: str, new: str) -> None:
+        """The old form and its replacement: what was done when fixing, what to do otherwise."""
+        self.report(node, f"{old} → {new}" if self.fixing else f"{old} is deprecated; use {new}")
+
     # an overload on `.data`/`.grad` or in place (`add_`, `x.mul_(b).add(...)`), else a `torch.nn...` name
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
@@ -1070,20 +1074,20 @@ class DeprecatedOverload(Rule):
             return updated.with_changes(func=updated.func.with_changes(attr=cst.Name("reshape")))
         if qualified in _RENAMES and isinstance(updated.func, cst.Attribute):
             new = _RENAMES[qualified]
-            self.report(original, f"`{qualified.rsplit('.', 1)[1]}` is deprecated; use `{new}`")
+            self._deprecated(original, f"`{qualified.rsplit('.', 1)[1]}`", f"`{new}`")
             return updated.with_changes(func=updated.func.with_changes(attr=cst.Name(new)))
         positional = positional_args(updated)
         if qualified is None and is_method_call(original, *_ALPHA_METHODS) and len(positional) == 2 \
                 and len(updated.args) == 2 and _legacy_tensor_overload(original):
-            self.report(original, f"`{original.func.attr.value}(alpha, other)` is deprecated; use "
-                                  f"`{original.func.attr.value}(other, alpha=alpha)`")
+            name = original.func.attr.value
+            self._deprecated(original, f"`{name}(alpha, other)`", f"`{name}(other, alpha=alpha)`")
             alpha, other = updated.args
             return with_args(updated, [other.with_changes(comma=cst.MaybeSentinel.DEFAULT),
                                        keyword_arg("alpha", alpha.value)])
         if qualified is None and is_method_call(original, *_VALUE_METHODS) and len(positional) == 3 \
                 and len(updated.args) == 3 and _legacy_tensor_overload(original):
-            self.report(original, f"`{original.func.attr.value}(value, t1, t2)` is deprecated; use "
-                                  f"`{original.func.attr.value}(t1, t2, value=value)`")
+            name = original.func.attr.value
+            self._deprecated(original, f"`{name}(value, t1, t2)`", f"`{name}(t1, t2, value=value)`")
             value, t1, t2 = updated.args
             return with_args(updated, [t1, t2.with_changes(comma=cst.MaybeSentinel.DEFAULT),
                                        keyword_arg("value", value.value)])
@@ -1220,8 +1224,8 @@ class DeprecatedOverload(Rule):
         if sa is None or rd is None or get_arg(updated, "reduction") is not None:
             self.report(original, "`size_average`/`reduce` are deprecated; use `reduction=`", review=True)
             return None
-        self.report(original, "`size_average`/`reduce` are deprecated; use `reduction=`")
         reduction = "none" if not rd else ("mean" if sa else "sum")
+        self._deprecated(original, "`size_average`/`reduce`", f"`reduction=\"{reduction}\"`")
         args = [a for a in updated.args if a is not size_average and a is not reduce]
         return with_args(updated, [*args, keyword_arg("reduction", cst.SimpleString(f'"{reduction}"'))])
 
