@@ -337,3 +337,36 @@ def test_find_answers_what_libcst_findall_answers():
                 assert ctx.find(root, matcher) == m.findall(root, matcher), (path, root, matcher)
                 compared += 1
     assert compared > 1000
+
+
+@pytest.mark.parametrize("source, kept", [
+    # under a module docstring: not the module's header, the import line's own comments
+    ('"""Train."""\n# Copyright 2020 ACME Corp.\n# SPDX-License-Identifier: MIT\n'
+     'from torch.autograd import Variable\nimport torch\n\nx = Variable(torch.randn(3))\n',
+     '"""Train."""\n# Copyright 2020 ACME Corp.\n# SPDX-License-Identifier: MIT\nimport torch\n'),
+    # an import in a function body
+    ("import torch\n\n\ndef f(x):\n    # Copyright 2020 ACME Corp.\n    from torch.autograd import Variable\n"
+     "    return Variable(x)\n",
+     "def f(x):\n    # Copyright 2020 ACME Corp.\n    return x\n"),
+    # the block's last statement: the comment stays at the block's end
+    ("import torch\ny = Variable(torch.ones(1))\n# Copyright 2020 ACME Corp.\nfrom torch.autograd import Variable\n",
+     "y = torch.ones(1)\n# Copyright 2020 ACME Corp.\n"),
+])
+def test_comments_above_a_removed_import_are_kept(source, kept):
+    result = migrate(source.encode())
+    assert result.error is None, result.error
+    out = result.new_source.decode()
+    assert "Variable" not in out
+    assert kept in out
+    assert migrate(result.new_source).new_source is None  # idempotent
+
+
+def test_a_file_header_above_a_removed_first_import_is_kept():
+    source = b"# Copyright 2020 ACME Corp.\nfrom torch.autograd import Variable\nimport torch\n\nx = Variable(torch.ones(1))\n"
+    out = migrate(source).new_source
+    assert out == b"# Copyright 2020 ACME Corp.\nimport torch\n\nx = torch.ones(1)\n"
+
+
+def test_blank_lines_alone_above_a_removed_import_go_with_it():
+    source = b"import torch\n\nfrom torch.autograd import Variable\n\nx = Variable(torch.ones(1))\n"
+    assert migrate(source).new_source == b"import torch\n\nx = torch.ones(1)\n"

@@ -921,7 +921,7 @@ def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
         codemod_ctx = CodemodContext()
         for mod, name, asname in ctx.imports_to_remove:
             RemoveImportsVisitor.remove_unused_import(codemod_ctx, mod, name, asname)
-        module = _transform_in_place(RemoveImportsVisitor(codemod_ctx), module)
+        module = _transform_in_place(_import_remover()(codemod_ctx), module)
     if ctx.imports_to_add:
         codemod_ctx = CodemodContext()
         for mod, name, asname in ctx.imports_to_add:
@@ -933,6 +933,54 @@ def _edit_imports(ctx: FileContext, module: cst.Module) -> cst.Module:
                 added[mod].add(f"{name} as {asname}" if asname else name)
         module = module.visit(_SortedImports(added))
     return module
+
+
+@functools.lru_cache(maxsize=None)
+def _import_remover() -> type:
+    """RemoveImportsVisitor drops an emptied import line with the comments above it (a
+    license header above `from torch.autograd import Variable`, data loss). This one keeps
+    them, as the engine keeps a removed statement's: they move onto the next statement, or
+    to the block's end after its last one. Made on first use: libcst.codemod is imported
+    lazily."""
+    from libcst.codemod.visitors import RemoveImportsVisitor
+
+    class KeepingComments(RemoveImportsVisitor):
+        def __init__(self, context: Any) -> None:
+            super().__init__(context)
+            self.emptied: Dict[int, cst.SimpleStatementLine] = {}  # held: ids stay unique
+
+        def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine,
+                                      updated: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+            if updated.body or all(line.comment is None for line in updated.leading_lines):
+                return updated  # kept, or gone with nothing but blank lines above it
+            placeholder = updated.with_changes(body=[cst.Pass()])
+            self.emptied[id(placeholder)] = placeholder
+            return placeholder
+
+        def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+            return self._settled(updated)
+
+        def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+            return self._settled(updated)
+
+        def _settled(self, block: Any) -> Any:
+            if not any(id(stmt) in self.emptied for stmt in block.body):
+                return block
+            body: List[cst.BaseStatement] = []
+            carried: List[cst.EmptyLine] = []
+            for stmt in block.body:
+                if id(stmt) in self.emptied:
+                    carried.extend(stmt.leading_lines)
+                elif carried:
+                    body.append(stmt.with_changes(leading_lines=[*carried, *stmt.leading_lines]))
+                    carried = []
+                else:
+                    body.append(stmt)
+            if not body:  # the block held only imports that went: it keeps a `pass` under the comments
+                return block.with_changes(body=[cst.SimpleStatementLine([cst.Pass()], leading_lines=carried)])
+            return block.with_changes(body=body, footer=[*carried, *block.footer])
+
+    return KeepingComments
 
 
 class _SortedImports(cst.CSTTransformer):
