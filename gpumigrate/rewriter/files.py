@@ -94,9 +94,11 @@ def discover(paths: Iterable[str], exclude: Optional[Exclusions] = None) -> Tupl
     """Files to process and one-line errors for paths that do not exist.
 
     Directories are searched for Python files and notebooks, skipping hidden directories,
-    virtual environments, caches, and what git ignores (`.gitignore` files inside a git work
-    tree). Files named explicitly are taken whatever their suffix (like black), unless
-    excluded: a pre-commit hook passes every staged file by name."""
+    virtual environments, caches, and what git ignores (inside a git work tree git itself is
+    asked, so nested `.gitignore` files, `.git/info/exclude` and `core.excludesFile` count as
+    in `git status`). Files named explicitly are taken whatever their suffix (like black),
+    unless excluded by --exclude/`exclude`, never by git's ignores (as ruff and black): a
+    pre-commit hook passes every staged file by name."""
     exclude = exclude or Exclusions()
     found: List[str] = []
     errors: List[str] = []
@@ -114,6 +116,68 @@ def discover(paths: Iterable[str], exclude: Optional[Exclusions] = None) -> Tupl
 
 
 def _walk(root: Path, exclude: Exclusions) -> Iterator[Path]:
+    """The scripts below `root`: what git lists there (tracked, and untracked but not ignored)
+    inside a work tree, else a walk of the folder; hidden folders, caches, virtual
+    environments and `exclude` left out either way."""
+    listed = _git_files(root)
+    if listed is None:
+        yield from _walk_folder(root, exclude)
+        return
+    kept: dict = {}  # folder below root -> whether its files are searched
+
+    def searched(folder: Path) -> bool:
+        if folder == root or folder == folder.parent:
+            return True
+        if folder not in kept:
+            name = folder.name
+            kept[folder] = searched(folder.parent) and not (
+                name.startswith(".") or name in SKIP_DIRS or _is_virtualenv(folder)
+                or exclude.matches(folder, is_dir=True))
+        return kept[folder]
+
+    for rel in sorted(listed, key=_walk_order):
+        candidate = root.joinpath(*rel)
+        if not searched(candidate.parent):
+            continue
+        if rel[-1].endswith(SUFFIXES) and not exclude.matches(candidate) and not _special(candidate) \
+                and os.path.lexists(candidate):  # a tracked file deleted on disk is not a script
+            yield candidate
+        elif not rel[-1].startswith(".") and rel[-1] not in SKIP_DIRS and os.path.isdir(candidate) \
+                and not os.path.islink(candidate) and searched(candidate):
+            # a submodule, or a repository of its own that git does not list into: its own git decides
+            yield from _walk(candidate, exclude)
+
+
+def _walk_order(rel: Tuple[str, ...]) -> Tuple[Tuple[int, str], ...]:
+    """os.walk's order, as `_walk_folder` yields: a folder's files, sorted, then its folders."""
+    return tuple((1, part) for part in rel[:-1]) + ((0, rel[-1]),)
+
+
+# Variables that would point git at another repository than the folder's own (a git hook,
+# such as pre-commit's, runs with them set).
+_GIT_LOCATORS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_PREFIX", "GIT_COMMON_DIR")
+
+
+def _git_files(root: Path) -> Optional[List[Tuple[str, ...]]]:
+    """The files below `root` that git sees (tracked, and untracked ones no ignore rule of
+    git's covers: nested .gitignore files, .git/info/exclude, core.excludesFile), as path
+    parts relative to `root`; None where git is missing or `root` is in no work tree."""
+    env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATORS}
+    try:
+        done = subprocess.run(["git", "-c", "core.quotePath=false", "ls-files", "--cached", "--others",
+                               "--exclude-standard", "-z", "--", "."],
+                              cwd=str(root), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None  # not a work tree (or a repository git refuses: `safe.directory`): the walk decides
+    names = {os.fsdecode(n).rstrip("/") for n in done.stdout.split(b"\0")} - {"", "."}
+    return [tuple(n.split("/")) for n in names]
+
+
+def _walk_folder(root: Path, exclude: Exclusions) -> Iterator[Path]:
+    """Without git: os.walk, reading `.gitignore` files by hand inside a work tree."""
     ignored = _GitIgnores(root)
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
