@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import json
 import os
 import stat
 import sys
@@ -29,11 +30,33 @@ Passes = List[Tuple[List[type], List[str]]]  # a file's passes: the rules each r
 STDIN = "-"
 
 
+_IMPLICIT = "gpumigrate.implicit_migrate"  # ctx.meta key: `migrate` was not typed
+
+
+class _Context(click.Context):
+    """A command's context whose usage and error lines name the command as the user typed
+    it: `gpumigrate train.py --bogus` says `Usage: gpumigrate [OPTIONS] PATHS...`, not
+    `gpumigrate migrate`, a word the user never wrote."""
+
+    @property
+    def command_path(self) -> str:
+        path = super().command_path
+        if self.meta.get(_IMPLICIT) and self.info_name == "migrate" and path.endswith(" migrate"):
+            return path[: -len(" migrate")]
+        return path
+
+
+class _Command(click.Command):
+    context_class = _Context
+
+
 class _DefaultToMigrate(click.Group):
     """`gpumigrate train.py --to ddp` means `gpumigrate migrate train.py --to ddp`.
 
     A first word that is neither a command nor an existing path stops the run (a mistyped
     `lnit` must never become a migration of the paths after it)."""
+
+    command_class = _Command
 
     def parse_args(self, ctx: click.Context, args: List[str]) -> List[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
@@ -45,6 +68,7 @@ class _DefaultToMigrate(click.Group):
                 hint = f" (did you mean `gpumigrate {close[0]}`?)" if close else ""
                 raise click.UsageError(f"{first}: no such command, file or directory{hint}", ctx)
             args = ["migrate", *args]
+            ctx.meta[_IMPLICIT] = True
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -75,20 +99,31 @@ def _echo(data: Union[str, bytes], *, nl: bool = True, color: Optional[bool] = N
         raise _OutputFailed(exc.strerror or str(exc)) from None
 
 
-@click.group(cls=_DefaultToMigrate, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("gpumigrate", cls=_DefaultToMigrate, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpumigrate")
 def main() -> None:
     """Move PyTorch training scripts to any device and to DistributedDataParallel;
     lint them for GPU memory and speed anti-patterns.
 
     \b
+    Targets (--to, default device; a list such as ddp,amp combines them):
+      device   any device: CUDA, MPS or CPU, no hard-coded `.cuda()`
+      ddp      DistributedDataParallel under torchrun (includes device)
+      amp      mixed precision: autocast and GradScaler (includes device)
+
+    \b
       gpumigrate train.py --to device      rewrite in place (CUDA, MPS or CPU)
       gpumigrate train.py --to ddp         ... and for torchrun (DDP)
+      gpumigrate train.py --to ddp,amp     ... and in mixed precision
       gpumigrate src/ --diff               show what would change
       gpumigrate - --stdin-filename t.py   read stdin, write the result to stdout
       gpumigrate lint src/                 report GPU memory and speed anti-patterns
       gpumigrate rules                     list the rules
       gpumigrate explain GM101             one rule's documentation
+      gpumigrate verify train.py --to ddp  run both versions and compare them
+
+    Without a command, PATHS are migrated: `gpumigrate PATHS` is `gpumigrate migrate PATHS`
+    (its options: `gpumigrate migrate --help`).
     """
 
 
@@ -192,7 +227,9 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     fix_codes = set(fixed_codes(target))
     dropped = sorted(r.code for r in target_rules if r not in selection.rules and r.code in fix_codes)
     if dropped and (select or ignore or config.select or config.ignore):
-        _err(f"note: --to {target} without {', '.join(dropped)} (not selected): the migration is partial")
+        where = "" if select or ignore else (
+            "; [tool.gpumigrate] select/ignore scope migrations too (lint alone: [tool.gpumigrate.lint])")
+        _err(f"note: --to {target} without {', '.join(dropped)} (not selected): the migration is partial{where}")
     if report_file:
         _check_report_path(report_file, files)
     # Before any script: a script must never import a runtime module that could not be written.
@@ -290,6 +327,7 @@ def _process(files: Sequence[str], stdin_filename: Optional[str],
 
 def _with_project(options: Optional[dict], project: Any) -> Optional[dict]:
     return options if project is None else {**(options or {}), "project": project}
+
 
 
 def _frozen(passes: "Passes") -> tuple:
@@ -412,20 +450,24 @@ def _write_report(path: str, results: List["FileResult"], target: str, written: 
         sys.exit(EXIT_ERROR)
 
 
-def _inputs(paths: Sequence[str], stdin_filename: Optional[str]) -> Tuple[bool, Config]:
+def _inputs(paths: Sequence[str], stdin_filename: Optional[str], config_file: Optional[str] = None,
+            isolated: bool = False) -> Tuple[bool, Config]:
     """(reading stdin, the configuration): `-` alone is stdin, whose configuration is found
-    from --stdin-filename."""
+    from --stdin-filename. `config_file` replaces the search, `isolated` reads none."""
     reading_stdin = tuple(paths) == (STDIN,)
     if STDIN in paths and not reading_stdin:
         raise click.UsageError("`-` (stdin) cannot be combined with other paths")
-    return reading_stdin, _config([stdin_filename] if reading_stdin and stdin_filename else paths)
+    if config_file is not None and isolated:
+        raise click.UsageError("--config and --isolated: choose one")
+    return reading_stdin, _config([stdin_filename] if reading_stdin and stdin_filename else paths, config_file,
+                                  isolated)
 
 
-def _config(paths: Sequence[str]) -> Config:
+def _config(paths: Sequence[str], config_file: Optional[str] = None, isolated: bool = False) -> Config:
     """The configuration, checked whole before any file is read. A broken one is one line
     naming the file (not click's usage block: the command line was fine) and exit 2."""
     try:
-        config = load_config(paths)
+        config = load_config(paths, config_file, isolated)
         _check_config_codes(config)
     except ConfigError as exc:
         _err(f"error: {exc}")
@@ -437,6 +479,9 @@ def _check_config_codes(config: Config) -> None:
     """Unknown codes in the configuration, per-file-ignores included: those would otherwise
     stop the run only at the first file they apply to, after earlier files were written."""
     entries = [("[tool.gpumigrate] select", config.select), ("[tool.gpumigrate] ignore", config.ignore),
+               ("[tool.gpumigrate.lint] select", config.lint_select or []),
+               ("[tool.gpumigrate.lint] ignore", config.lint_ignore),
+               ("[tool.gpumigrate.lint] extend-select", config.lint_extend_select),
                *((f"[tool.gpumigrate.per-file-ignores] {k!r}", v) for k, v in config.per_file_ignores.items())]
     for name, values in entries:
         try:
@@ -464,27 +509,54 @@ def _discover(paths: Sequence[str], config: Config, exclude: Sequence[str]) -> L
 
 
 def _codes(values: Sequence[str]) -> List[str]:
-    """`--select GM1,GM301 --select GM4` -> ["GM1", "GM301", "GM4"], checked against the rules."""
-    from gpumigrate.codemods import ALL_RULES
-
-    codes = [c.strip().upper() for v in values for c in v.split(",") if c.strip()]
-    for code in codes:
-        if not any(rule.code.startswith(code) for rule in ALL_RULES):
-            raise click.UsageError(f"no rule matches {code!r}; `gpumigrate rules` lists them")
+    """`--select GM1,GM301 --select tensor-accumulation` -> ["GM1", "GM301", "GM301"]: codes,
+    prefixes and rule names (as ruff takes them), checked against the rules."""
+    codes = []
+    for word in (c.strip() for v in values for c in v.split(",")):
+        if word:
+            codes.append(_rule_code(word, prefix=True))
     return codes
 
 
-class _Selection:
-    """--select/--ignore over the configuration's select/ignore/per-file-ignores. An explicit
-    --select replaces the configuration's choice, its ignores included (as in ruff)."""
+def _rule_code(word: str, prefix: bool = False) -> str:
+    """The code of a rule given by code or name (`prefix`: or a code prefix, `GM3`); an
+    unknown one is a usage error with the closest code or name."""
+    from gpumigrate.codemods import ALL_RULES
 
-    def __init__(self, config: Config, select: Sequence[str], ignore: Sequence[str], lint: bool) -> None:
+    by_name = {rule.name: rule.code for rule in ALL_RULES}
+    if word.lower() in by_name:
+        return by_name[word.lower()]
+    code = word.upper()
+    if any(rule.code == code or prefix and rule.code.startswith(code) for rule in ALL_RULES):
+        return code
+    known = {**{name: name for name in by_name}, **{r.code.lower(): r.code for r in ALL_RULES}}
+    close = difflib.get_close_matches(word.lower(), list(known), n=1)
+    hint = f" (did you mean {known[close[0]]}?)" if close else ""
+    raise click.UsageError(f"no rule matches {word!r}{hint}; `gpumigrate rules` lists them")
+
+
+class _Selection:
+    """--select/--ignore/--extend-select over the configuration's select/ignore/per-file-ignores.
+    An explicit --select replaces the configuration's choice, its ignores included (as in
+    ruff). Lint reads [tool.gpumigrate.lint] over the top-level settings (ruff's
+    `lint.select`); migrations read only the top level."""
+
+    def __init__(self, config: Config, select: Sequence[str], ignore: Sequence[str], lint: bool,
+                 extend_select: Sequence[str] = ()) -> None:
         from gpumigrate.codemods import select as select_rules
 
         self.config = config
         self.lint = lint
-        self.chosen = _codes(select) or _codes(config.select)
-        self.ignored = _codes(ignore) if select else [*_codes(config.ignore), *_codes(ignore)]
+        if select:
+            self.chosen, self.ignored, extend = _codes(select), _codes(ignore), []
+        else:
+            chosen = config.lint_select if lint and config.lint_select is not None else config.select
+            ignored = [*config.ignore, *(config.lint_ignore if lint else [])]
+            self.chosen, self.ignored = _codes(chosen), [*_codes(ignored), *_codes(ignore)]
+            extend = _codes(config.lint_extend_select) if lint else []
+        extend += _codes(extend_select)
+        if extend:  # added to the choice; with none, to every rule ("GM")
+            self.chosen = [*(self.chosen or ["GM"]), *extend]
         self._select = select_rules
         self.rules = select_rules(self.chosen, self.ignored, lint=lint)
 
@@ -503,52 +575,89 @@ FORMATS = ("text", "json", "sarif", "github")
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @_SELECT
+@click.option("--extend-select", multiple=True, metavar="CODES",
+              help="Add these codes, prefixes or names to the selection (the configuration's or --select's).")
 @_IGNORE
 @click.option("--fix", is_flag=True, help="Apply the fixes of the selected rules.")
-@click.option("--diff", "show_diff", is_flag=True, help="With --fix: print the fixes as a diff; write nothing.")
+@click.option("--diff", "show_diff", is_flag=True,
+              help="With --fix: print the fixes as a diff; write nothing (exit 1 when there are fixes).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True)
+@click.option("--statistics", is_flag=True, help="Count the findings per rule, most first, instead of listing them.")
+@click.option("-o", "--output-file", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+              help="Write the findings (in --format) to PATH instead of standard output.")
+@click.option("--exit-zero", is_flag=True, help="Exit 0 even when there are findings (2 on errors still).")
+@click.option("-q", "--quiet", is_flag=True, help="Print the findings and errors only: no summary, no notes.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Read the settings from FILE (a pyproject.toml, or a gpumigrate.toml holding them at its top "
+                   "level) instead of the nearest pyproject.toml.")
+@click.option("--isolated", is_flag=True, help="Ignore every configuration file.")
 @_EXCLUDE
 @_STDIN_NAME
 @_COLOR
 @_JOBS
 @_NO_CACHE
-def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...], fix: bool, show_diff: bool,
-         fmt: str, exclude: Tuple[str, ...], stdin_filename: Optional[str], color: str, jobs: Optional[int],
-         no_cache: bool) -> None:
+def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[str, ...], ignore: Tuple[str, ...],
+         fix: bool, show_diff: bool, fmt: str, statistics: bool, output_file: Optional[str], exit_zero: bool,
+         quiet: bool, config_file: Optional[str], isolated: bool, exclude: Tuple[str, ...],
+         stdin_filename: Optional[str], color: str, jobs: Optional[int], no_cache: bool) -> None:
     """Report GPU memory and speed anti-patterns in PATHS (`-` for stdin).
 
-    Exit 0 when clean, 1 when there are findings, 2 on errors."""
+    Rules are given by code, prefix or name (GM301, GM3, tensor-accumulation).
+    Exit 0 when clean, 1 when there are findings (with --fix --diff: when there are fixes), 2 on errors."""
+    from dataclasses import replace
+
     from gpumigrate.codemods import RULES_BY_CODE
     from gpumigrate.rewriter import report
+    from gpumigrate.rewriter.notebook import is_notebook
     from gpumigrate.rewriter.run import write_result
 
     if show_diff and not fix:
         raise click.UsageError("--diff shows the fixes: use it with --fix")
     if show_diff and fmt != "text":
         raise click.UsageError(f"--diff prints a diff on stdout; it cannot be combined with --format {fmt}")
-    reading_stdin, config = _inputs(paths, stdin_filename)
-    selection = _Selection(config, select, ignore, lint=True)
-    if not selection.rules:
+    if statistics and (show_diff or fmt not in ("text", "json")):
+        raise click.UsageError(f"--statistics prints text or JSON counts; not with "
+                               f"{'--diff' if show_diff else '--format ' + fmt}")
+    reading_stdin, config = _inputs(paths, stdin_filename, config_file, isolated)
+    selection = _Selection(config, select, ignore, lint=True, extend_select=extend_select)
+    if not selection.rules and not quiet:
         _err("warning: no rules selected")
     files = [STDIN] if reading_stdin else _discover(paths, config, exclude)
+    if output_file is not None:
+        _check_output_file(output_file, files)
     located, fixed, failed, files_with, colour = [], 0, 0, set(), _colour(color)
+    sink: Optional[List[str]] = [] if output_file is not None else None  # --output-file: written whole at the end
+
+    def out(text: str) -> None:
+        if sink is not None:
+            sink.append(click.unstyle(text))
+        else:
+            _echo(text, nl=False, color=colour)
+
+    # JSON gives each finding its fix's edits, as ruff does: the fixes are computed, not applied
+    preview = fmt == "json" and not fix and not statistics
+    done = {r.code: r.done for r in selection.rules if r.fixed_in}
+
     def plan(name: str) -> Passes:
         rules = selection.for_file(name)
-        return [(rules, [r.code for r in rules if r.fixed_in] if fix else [])]
+        return [(rules, [r.code for r in rules if r.fixed_in] if fix or preview else [])]
 
     from gpumigrate.codemods import OPT_IN, opted_in  # a rule named in full also reports its migration notes
 
     processed = _process(files, stdin_filename, plan, {OPT_IN: opted_in(selection.chosen)},
                          max_size=config.max_file_size, jobs=jobs,
                          cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
-    streaming = fmt == "text" and not show_diff and not (fix and reading_stdin)
+    streaming = fmt == "text" and not show_diff and not (fix and reading_stdin) and not statistics and sink is None
     for result in _progress(processed, len(files), "linting"):
         if result.error:
             failed += 1
             _err(f"error: {result.error}")
             continue
         if fix and show_diff and result.changed:
-            _show_diff(result.path, result.source, result.new_source, colour)
+            if sink is not None:
+                sink.append(file_diff(result.path, result.source, result.new_source))
+            else:
+                _show_diff(result.path, result.source, result.new_source, colour)
         elif fix and reading_stdin and fmt == "text":
             # like ruff: the fixed source is the output, findings go to stderr
             _echo(result.new_source if result.changed else result.source, nl=False)
@@ -558,27 +667,75 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], ignore: Tuple[str, ...
                 failed += 1
                 _err(f"error: {result.error}")
                 continue
-        fixed += sum(1 for f in result.findings if f.fixed)
-        mine = report.sort_findings([report.Located(result.path, f) for f in result.findings if not f.fixed])
+        if preview:  # every finding is reported; the fixed ones carry their edits
+            items = [report.Located(result.path, f) for f in result.findings]
+            if result.changed and not is_notebook(result.path):  # a notebook's edits would be in its JSON
+                items = report.with_edits(items, report.fix_edits(result.source, result.new_source),
+                                          lambda f: f.fixed, done)
+            mine = report.sort_findings([replace(i, finding=replace(i.finding, fixed=False)) for i in items])
+        else:
+            fixed += sum(1 for f in result.findings if f.fixed)
+            mine = report.sort_findings([report.Located(result.path, f) for f in result.findings if not f.fixed])
         if mine:
             files_with.add(result.path)
             located += mine
             if streaming:  # each file's findings as it is done, not all at the end of a long run
-                _echo(report.as_text(mine), nl=False)
+                out(report.as_text(mine, styled=True))
     located = report.sort_findings(located)
     infos = {r.code: report.RuleInfo(r.code, r.name, r.message, r.docs(), bool(r.fixed_in))
              for r in selection.rules}
-    if fmt == "json":
-        _echo(report.as_json(located, infos), nl=False)
+    if statistics:
+        counts = report.statistics(located, infos)
+        out(json.dumps(counts, indent=2) + "\n" if fmt == "json" else report.statistics_text(counts))
+    elif fmt == "json":
+        out(report.as_json(located, infos))
     elif fmt == "sarif":
-        _echo(report.as_sarif(located, infos), nl=False)
+        out(report.as_sarif(located, infos))
     elif fmt == "github":
-        _echo(report.as_github(located), nl=False)
+        out(report.as_github(located))
+    elif sink is not None and not show_diff:
+        out(report.as_text(located))
     elif not show_diff and not streaming:  # stdin's fixed source is the output: findings go to stderr
-        click.echo(report.as_text(located), nl=False, err=True)
+        click.echo(report.as_text(located, styled=True), nl=False, err=True, color=colour)
+    if sink is not None:
+        _write_output_file(output_file, "".join(sink))
     fixable = sum(1 for i in located if RULES_BY_CODE[i.finding.code].fixed_in and not i.finding.review)
-    _lint_summary(len(located), fixable, fixed, len(files_with), len(files) - failed, failed, fix, show_diff)
-    sys.exit(EXIT_ERROR if failed else EXIT_CHANGES if located else EXIT_OK)
+    if not quiet:
+        _lint_summary(len(located), fixable, fixed, len(files_with), len(files) - failed, failed, fix, show_diff)
+    if failed:
+        sys.exit(EXIT_ERROR)
+    pending = fixed if show_diff else located  # --fix --diff: fixes not written are what fails the check (ruff)
+    sys.exit(EXIT_CHANGES if pending and not exit_zero else EXIT_OK)
+
+
+def _check_output_file(path: str, inputs: Sequence[str]) -> None:
+    """Before any file is read: --output-file must not be one of the inputs and must be
+    writable, as `--report` (a usage error, exit 2)."""
+    try:
+        info: Optional[os.stat_result] = os.stat(path)
+    except OSError:
+        info = None
+    if info is not None:
+        if not stat.S_ISREG(info.st_mode):
+            raise click.UsageError(f"--output-file {path}: not a regular file")
+        if any(name != STDIN and os.path.exists(name) and os.path.samestat(info, os.stat(name)) for name in inputs):
+            raise click.UsageError(f"--output-file {path}: that is one of the inputs")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise click.UsageError(f"--output-file {path}: cannot write there")
+
+
+def _write_output_file(path: str, text: str) -> None:
+    """Whole or not at all (temp file + rename), as the scripts and the report are written."""
+    from gpumigrate.rewriter.files import Refused, write_atomic
+
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        write_atomic(path, text.encode("utf-8"), new_mode=0o666 & ~umask)
+    except (Refused, OSError) as exc:
+        _err(f"error: --output-file {path}: cannot write: {getattr(exc, 'strerror', None) or exc}")
+        sys.exit(EXIT_ERROR)
 
 
 def _lint_summary(found: int, fixable: int, fixed: int, files_with: int, checked: int, failed: int, fix: bool,
@@ -681,13 +838,14 @@ def rules_markdown() -> str:
 @main.command()
 @click.argument("code")
 def explain(code: str) -> None:
-    """Print a rule's documentation and examples."""
+    """Print a rule's documentation and examples (CODE: a code or a name, GM301 or tensor-accumulation)."""
     from gpumigrate.codemods import RULES_BY_CODE, opt_in_note
     from gpumigrate.codemods.base import Clean, Flagged
 
-    rule = RULES_BY_CODE.get(code.upper())
-    if rule is None:
-        raise click.BadParameter(f"no rule {code!r}; `gpumigrate rules` lists them", param_hint="CODE")
+    try:
+        rule = RULES_BY_CODE[_rule_code(code)]
+    except click.UsageError as exc:
+        raise click.BadParameter(exc.message.replace("no rule matches", "no rule"), param_hint="CODE") from None
     fix = ", ".join(sorted(rule.fixed_in)) or "none (lint only)"
     _echo(f"{rule.code} ({rule.name})\n\n{rule.message}{opt_in_note(rule)}\n\nFixed by the migration to: {fix}\n")
     _echo(rule.docs())

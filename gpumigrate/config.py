@@ -2,14 +2,22 @@
 
     [tool.gpumigrate]
     target = "ddp"                 # default for `gpumigrate PATHS` without --to
-    select = ["GM1", "GM3"]        # codes or prefixes; all rules when absent
-    ignore = ["GM204"]
+    select = ["GM1", "GM3"]        # codes, prefixes or rule names, for lint AND migrations
+    ignore = ["GM204"]             # (all rules when absent; a migration without a fix it needs
+                                   # says it is partial)
     exclude = ["legacy/"]          # gitignore-style, relative to this file's folder
     extend-exclude = ["*_old.py"]  # added to `exclude` (a shared config sets one, a project the other)
     max-file-size = 20_000_000     # bytes (default 10 MB); a larger file is skipped, as an error
     file-timeout = 600             # seconds a file may take (default 300); a slower one is an error
     [tool.gpumigrate.per-file-ignores]
     "notebooks/*.py" = ["GM601"]
+    [tool.gpumigrate.lint]         # lint only (as ruff's `lint.select`): migrations never read it
+    select = ["GM3"]               # replaces the top-level select for `lint`
+    ignore = ["GM304"]             # added to the top-level ignore for `lint`
+    extend-select = ["GM101"]      # added to whichever select applies
+
+`gpumigrate lint --config FILE` reads FILE instead (a pyproject.toml's [tool.gpumigrate], or
+a gpumigrate.toml holding those settings at its top level); `--isolated` reads none.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ class Config:
     exclude: List[str] = field(default_factory=list)
     extend_exclude: List[str] = field(default_factory=list)
     per_file_ignores: Dict[str, List[str]] = field(default_factory=dict)
+    # [tool.gpumigrate.lint]: None where a setting is absent (the top-level one applies)
+    lint_select: Optional[List[str]] = None
+    lint_ignore: List[str] = field(default_factory=list)
+    lint_extend_select: List[str] = field(default_factory=list)
     max_file_size: int = DEFAULT_MAX_FILE_SIZE
     file_timeout: float = DEFAULT_FILE_TIMEOUT
 
@@ -58,7 +70,7 @@ class Config:
         spec = Exclusions()
         if self.path is not None:
             try:
-                spec.add(self.path.parent, [*self.exclude, *self.extend_exclude])
+                spec.add(self.path.resolve().parent, [*self.exclude, *self.extend_exclude])
             except BadPattern as exc:
                 raise ConfigError(f"{self.path}: [tool.gpumigrate] exclude: {exc}") from None
         return spec.add(Path.cwd(), list(extra))
@@ -147,16 +159,48 @@ def find_config(paths: Sequence[str]) -> Optional[Path]:
     return found[0] if found else None
 
 
-def load_config(paths: Sequence[str]) -> Config:
-    found = _find(paths)
+def _named(path: Path) -> Tuple[Path, dict]:
+    """The settings of a file given by name (`--config`): a pyproject.toml's
+    [tool.gpumigrate] table, any other TOML file's top level (a gpumigrate.toml, as ruff.toml)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: cannot read: not UTF-8 (byte {exc.start}); TOML files must be UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    if path.name != "pyproject.toml":
+        return path, data
+    tool = data.get("tool")
+    table = tool.get("gpumigrate") if isinstance(tool, dict) else None
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: no [tool.gpumigrate] table")
+    return path, table
+
+
+def load_config(paths: Sequence[str], config_file: Optional[str] = None, isolated: bool = False) -> Config:
+    """The configuration for `paths`: the nearest pyproject.toml with our table, or
+    `config_file` in its place; none when `isolated`."""
+    if isolated:
+        return Config()
+    found = _named(Path(config_file)) if config_file is not None else _find(paths)
     if found is None:
         return Config()
     path, table = found
     known = {"target", "select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "max-file-size",
-             "file-timeout"}
+             "file-timeout", "lint"}
     unknown = sorted(set(table) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown [tool.gpumigrate] setting {unknown[0]!r}")
+    lint = table.get("lint", {})
+    if not isinstance(lint, dict):
+        raise ConfigError(f"{path}: [tool.gpumigrate] lint must be a table")
+    unknown = sorted(set(lint) - {"select", "ignore", "extend-select"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown [tool.gpumigrate.lint] setting {unknown[0]!r}")
     per_file = table.get("per-file-ignores", {})
     if not isinstance(per_file, dict):
         raise ConfigError(f"{path}: [tool.gpumigrate] per-file-ignores must be a table")
@@ -186,6 +230,9 @@ def load_config(paths: Sequence[str]) -> Config:
         extend_exclude=_strings(table, "extend-exclude", path),
         per_file_ignores={k: _strings(per_file, k, path, f"[tool.gpumigrate.per-file-ignores] {k!r}")
                           for k in per_file},
+        lint_select=_strings(lint, "select", path, "[tool.gpumigrate.lint] select") if "select" in lint else None,
+        lint_ignore=_strings(lint, "ignore", path, "[tool.gpumigrate.lint] ignore"),
+        lint_extend_select=_strings(lint, "extend-select", path, "[tool.gpumigrate.lint] extend-select"),
     )
     config.exclude_spec()  # its patterns are read now: a bad one stops every command before any file
     return config

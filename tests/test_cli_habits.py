@@ -334,9 +334,13 @@ def test_summary_counts_a_failed_write_once(tmp_path):
 
 def test_help_is_accurate_and_loads_no_libcst():
     help_text = cli("--help").output
-    assert "mixed precision" not in help_text and "amp" not in help_text.split()
-    for command in ("lint", "rules", "explain"):
+    for command in ("lint", "rules", "explain", "verify"):
         assert command in help_text
+    # the targets `--to` takes are listed, each on its own line
+    from gpumigrate.targets import TARGETS
+
+    listed = {line.split()[0] for line in help_text.splitlines() if line.strip()}
+    assert set(TARGETS) <= listed, help_text
     code = ("import sys; from gpumigrate.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('libcst', 'torch')))")
@@ -425,3 +429,15 @@ def test_stdin_filename_names_only_stdin(tmp_path):
     script.write_text(CUDA)
     result = cli("lint", script, "--stdin-filename", tmp_path / "legacy.py")
     assert result.exit_code == 1 and "GM101" in result.stdout
+
+
+def test_usage_errors_name_the_command_the_user_typed(tmp_path):
+    path = tree(tmp_path, {"t.py": CUDA}) / "t.py"
+    implicit = cli(path, "--bogus")  # `gpumigrate t.py`: the user never typed `migrate`
+    assert implicit.exit_code == 2
+    assert "Usage: gpumigrate [OPTIONS] PATHS..." in implicit.output and "gpumigrate migrate" not in implicit.output
+    explicit = cli("migrate", path, "--bogus")
+    assert "Usage: gpumigrate migrate [OPTIONS] PATHS..." in explicit.output
+    assert "Usage: gpumigrate lint [OPTIONS] PATHS..." in cli("lint", path, "--bogus").output
+    assert "gpumigrate migrate" not in cli(path, "--to", "tpu").output
+    assert path.read_text() == CUDA

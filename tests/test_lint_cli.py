@@ -296,3 +296,211 @@ def test_rules_and_explain_say_which_findings_need_the_full_code():
     assert "only with `--select`" not in next(row for row in rules.splitlines() if row.startswith("GM101"))
     explained = CliRunner().invoke(main, ["explain", "GM401"]).stdout
     assert "lint reports them only with `--select GM401`" in explained
+
+
+# ---------------------------------------------------------------- ruff's command-line habits (issue 20, item 7)
+
+def run(*args, input=None, color=False, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input, color=color, env=env, catch_exceptions=False)
+
+
+def test_quiet_prints_the_findings_and_nothing_else(script):
+    result = lint(script, "-q")
+    assert result.exit_code == 1
+    assert result.stdout.count("\n") == 2 and result.stderr == ""
+    assert "no rules selected" in run("lint", script, "--select", "GM400").stderr  # a migration step only
+    assert run("lint", script, "--quiet", "--select", "GM400").stderr == ""  # not even that warning
+
+
+def test_exit_zero_keeps_the_findings_but_not_the_failure(script, tmp_path):
+    result = lint(script, "--exit-zero")
+    assert result.exit_code == 0 and "GM301" in result.stdout
+    (tmp_path / "broken.py").write_text("def (:\n")
+    assert lint(script, tmp_path / "broken.py", "--exit-zero").exit_code == 2  # errors still fail
+
+
+def test_statistics_count_per_rule_most_first(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text("import torch\na = torch.ones(1).cuda()\nb = torch.ones(1).cuda()\n"
+                    "for i in range(3):\n    torch.cuda.empty_cache()\n")
+    result = lint(path, "--statistics")
+    assert result.exit_code == 1
+    assert result.stdout.splitlines() == ["2\tGM101\t[*] cuda-call", "1\tGM304\t[ ] empty-cache-in-loop"]
+    rows = json.loads(lint(path, "--statistics", "--format", "json").stdout)
+    assert rows == [{"code": "GM101", "name": "cuda-call", "count": 2, "fixable": True},
+                    {"code": "GM304", "name": "empty-cache-in-loop", "count": 1, "fixable": False}]
+    assert run("lint", path, "--statistics", "--format", "sarif").exit_code == 2
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_output_file_gets_what_stdout_would(script, tmp_path, fmt):
+    out = tmp_path / "findings.out"
+    result = lint(script, "--format", fmt, "--output-file", out, "--color", "always")
+    assert result.exit_code == 1 and result.stdout == ""
+    assert "2 findings" in result.stderr
+    text = out.read_text()
+    assert "\x1b[" not in text
+    assert text == lint(script, "--format", fmt).stdout
+    refused = run("lint", script, "--output-file", script)
+    assert refused.exit_code == 2 and "one of the inputs" in refused.output and script.read_text() == SOURCE
+
+
+def test_config_names_the_settings_file_and_isolated_reads_none(tmp_path, script):
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate]\nignore = ["GM301"]\n')
+    other = tmp_path / "conf"
+    other.mkdir()
+    (other / "gpumigrate.toml").write_text('ignore = ["GM101"]\n')  # the settings at the top level
+    (other / "pyproject.toml").write_text('[tool.gpumigrate]\nselect = ["GM301"]\n')
+    assert "GM301" not in lint(script).stdout  # the nearest pyproject.toml
+    out = lint(script, "--config", other / "gpumigrate.toml").stdout
+    assert "GM301" in out and "GM101" not in out
+    out = lint(script, "--config", other / "pyproject.toml").stdout
+    assert "GM301" in out and "GM101" not in out
+    out = lint(script, "--isolated").stdout
+    assert "GM301" in out and "GM101" in out
+    (other / "empty.toml").write_text("colour = 1\n")
+    bad = run("lint", script, "--config", other / "empty.toml")
+    assert bad.exit_code == 2 and "unknown [tool.gpumigrate] setting 'colour'" in bad.output
+    missing = run("lint", script, "--config", other / "missing.toml")
+    assert missing.exit_code == 2 and "missing.toml: cannot read" in missing.output
+    assert run("lint", script, "--config", other / "gpumigrate.toml", "--isolated").exit_code == 2
+
+
+def test_extend_select_adds_to_the_selection(tmp_path, script):
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate]\nselect = ["GM1"]\n')
+    assert "GM301" not in lint(script).stdout
+    out = lint(script, "--extend-select", "GM301").stdout
+    assert "GM301" in out and "GM101" in out
+    out = lint(script, "--select", "GM3", "--extend-select", "cuda-call").stdout
+    assert "GM301" in out and "GM101" in out
+    # with no select at all, it adds to every rule (and beats a broader ignore, as in ruff)
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate]\nignore = ["GM3"]\n')
+    out = lint(script, "--extend-select", "GM301").stdout
+    assert "GM301" in out and "GM101" in out
+
+
+def test_rule_names_wherever_codes_are(tmp_path, script):
+    assert "GM101" not in lint(script, "--select", "tensor-accumulation").stdout
+    assert "GM301" not in lint(script, "--ignore", "Tensor-Accumulation").stdout
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nselect = ["cuda-call"]\n')
+    assert "GM301" not in lint(script).stdout and "GM101" in lint(script).stdout
+    explained = run("explain", "tensor-accumulation")
+    assert explained.exit_code == 0 and explained.stdout.startswith("GM301 (tensor-accumulation)")
+    typo = run("lint", script, "--select", "tensor-acumulation")
+    assert typo.exit_code == 2 and "did you mean tensor-accumulation?" in typo.output
+    assert "did you mean GM301?" in run("explain", "GM3O1").output
+
+
+def _apply(source: str, edits: list) -> str:
+    """Apply ruff-style line edits (each once, bottom up)."""
+    lines = source.splitlines(keepends=True)
+    unique = {(e["location"]["row"], e["end_location"]["row"], e["content"]) for e in edits}
+    for start, end, content in sorted(unique, reverse=True):
+        assert e_columns_are_line_starts(edits)
+        lines[start - 1:end - 1] = [content]
+    return "".join(lines)
+
+
+def e_columns_are_line_starts(edits: list) -> bool:
+    return all(e["location"]["column"] == 1 and e["end_location"]["column"] == 1 for e in edits)
+
+
+def test_json_has_end_column_url_and_the_fix_edits(script, tmp_path):
+    rows = json.loads(lint(script, "--format", "json").stdout)
+    edit = {"type": "object", "required": ["content", "location", "end_location"], "properties": {
+        "content": {"type": "string"},
+        "location": {"type": "object", "required": ["row", "column"]},
+        "end_location": {"type": "object", "required": ["row", "column"]}}}
+    schema = {"type": "array", "items": {
+        "type": "object", "required": ["end_column", "url", "fix"],
+        "properties": {
+            "end_column": {"type": ["integer", "null"], "minimum": 1},
+            "url": {"type": "string", "pattern": "^https://"},
+            "fix": {"oneOf": [{"type": "null"}, {
+                "type": "object", "required": ["applicability", "edits"],
+                "properties": {"applicability": {"const": "safe"},
+                               "edits": {"type": "array", "minItems": 1, "items": edit}}}]}}}}
+    jsonschema.validate(rows, schema)
+    # `total_loss += loss` at 10:9 ends at column 27; `.cuda()` of 13:31 at 35
+    assert [(r["line"], r["column"], r["end_line"], r["end_column"]) for r in rows] == [(10, 9, 10, 27),
+                                                                                      (13, 31, 13, 35)]
+    # each fix alone changes its own line; all of them together make what `lint --fix` writes
+    gm301 = _apply(SOURCE, rows[0]["fix"]["edits"])
+    assert "total_loss += loss.item()" in gm301 and ".cuda()" in gm301
+    together = _apply(SOURCE, [e for r in rows for e in r["fix"]["edits"]])
+    assert script.read_text() == SOURCE  # JSON computed the fixes without writing them
+    lint(script, "--fix")
+    assert together == script.read_text()
+
+
+def test_json_fix_is_null_for_a_lint_only_rule(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text("import torch\nfor i in range(3):\n    torch.cuda.empty_cache()\n")
+    (row,) = json.loads(lint(path, "--format", "json").stdout)
+    assert row["code"] == "GM304" and row["fix"] is None and row["fixable"] is False
+
+
+def test_sarif_and_github_carry_the_end_column_and_docs(script):
+    run_ = json.loads(lint(script, "--format", "sarif").stdout)["runs"][0]
+    assert all(r["helpUri"].startswith("https://") for r in run_["tool"]["driver"]["rules"])
+    regions = [r["locations"][0]["physicalLocation"]["region"] for r in run_["results"]]
+    assert [(g["startColumn"], g["endColumn"]) for g in regions] == [(9, 27), (31, 35)]
+    lines = lint(script, "--format", "github").stdout.splitlines()
+    assert lines[0].startswith(f"::warning file={script},line=10,col=9,endColumn=27,endLine=10,")
+
+
+def test_github_gives_no_columns_to_a_multiline_finding(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text("import torch\ndef f(loader, model):\n    total = 0\n    for x in loader:\n"
+                    "        loss = model(x)\n        loss.backward()\n        total += (\n            loss\n        )\n")
+    (line,) = lint(path, "--format", "github").stdout.splitlines()
+    assert ",line=7,endLine=9," in line
+    assert "col=" not in line.split("title=")[0] and "endColumn" not in line
+
+
+def test_findings_are_coloured_on_a_terminal(script):
+    ansi = "\x1b["
+    coloured = run("lint", script, color=True).stdout
+    assert ansi in coloured and "\x1b[31m" in coloured.replace("\x1b[1m", "")  # the code in red
+    assert ansi not in run("lint", script, color=True, env={"NO_COLOR": "1"}).stdout
+    assert ansi not in run("lint", script, "--color", "never", color=True).stdout
+    assert ansi in run("lint", script, "--color", "always").stdout
+    assert ansi not in run("lint", script).stdout  # not a terminal
+
+
+def test_fix_diff_exits_1_when_fixes_are_pending(script, tmp_path):
+    assert lint(script, "--fix", "--diff").exit_code == 1
+    lint(script, "--fix")
+    assert lint(script, "--fix", "--diff").exit_code == 0
+    path = tmp_path / "lint_only.py"  # findings, but nothing to fix: the diff is empty
+    path.write_text("import torch\nfor i in range(3):\n    torch.cuda.empty_cache()\n")
+    result = lint(path, "--fix", "--diff")
+    assert result.exit_code == 0 and result.stdout == ""
+
+
+CUDA_AND_TOTAL = "import torch\nmodel = torch.nn.Linear(2, 2).cuda()\n"
+
+
+def test_the_lint_table_scopes_lint_not_migrations(tmp_path, script):
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nselect = ["GM3"]\n')
+    out = lint(script).stdout
+    assert "GM301" in out and "GM101" not in out
+    migrated = run(script, "--diff")
+    assert ".to(device)" in migrated.stdout and "partial" not in migrated.stderr
+
+
+def test_a_top_level_select_still_scopes_both_and_says_so_when_a_migration_is_partial(tmp_path, script):
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate]\nselect = ["GM3"]\n')
+    assert "GM101" not in lint(script).stdout
+    migrated = run(script, "--diff")
+    assert ".to(device)" not in migrated.stdout
+    assert "[tool.gpumigrate.lint]" in migrated.stderr and "partial" in migrated.stderr
+
+
+def test_the_lint_table_is_checked(tmp_path, script):
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nselect = ["GM9"]\n')
+    result = run("lint", script)
+    assert result.exit_code == 2 and "[tool.gpumigrate.lint] select: no rule matches 'GM9'" in result.output
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nexclude = ["x"]\n')
+    result = run("lint", script)
+    assert result.exit_code == 2 and "unknown [tool.gpumigrate.lint] setting 'exclude'" in result.output

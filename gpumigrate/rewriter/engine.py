@@ -50,6 +50,8 @@ class Finding:
     fixed: bool = False
     review: bool = False
     end_line: int = 0  # last line of the flagged code
+    # 0-based column just past the flagged code on end_line (LibCST's end position); 0: unknown.
+    end_col: int = 0
     # In a notebook: the 1-based position of the cell among all cells; line and end_line are
     # then lines of that cell. 0: a plain file.
     cell: int = 0
@@ -411,6 +413,11 @@ class FileContext:
 
         Position metadata costs a full extra pass, so it is computed only for files that
         have something to report."""
+        return self.extent(node)[:3]
+
+    def extent(self, node: cst.CSTNode) -> Tuple[int, int, int, int]:
+        """`span` and the 0-based column just past the node on its end line (from the same
+        position metadata: no extra cost)."""
         pos = self._statement_positions(node) if self.statement_lines is not None else None
         if pos is None:
             if self._positions is None:
@@ -418,8 +425,8 @@ class FileContext:
                 self._positions = wrapper.resolve(PositionProvider)
             pos = self._positions.get(node)
         if pos is None:
-            return (0, 0, 0)
-        return (pos.start.line, pos.start.column, pos.end.line)
+            return (0, 0, 0, 0)
+        return (pos.start.line, pos.start.column, pos.end.line, pos.end.column)
 
     def _statement_positions(self, node: cst.CSTNode) -> Optional[CodeRange]:
         """The position of `node` from printing only the statement that holds it, which starts
@@ -1220,15 +1227,20 @@ def reported_as_error(result: FileResult, where: str, unit: str = "file") -> Ite
 def _findings(ctx: FileContext) -> List[Finding]:
     out = []
     for rep in ctx.reports:
-        line, col, end = (rep.line, rep.col, rep.line) if rep.node is None else ctx.span(rep.node)
+        line, col, end, end_col = (rep.line, rep.col, rep.line, 0) if rep.node is None else ctx.extent(rep.node)
         if rep.through is not None:
-            end = max(end, ctx.span(rep.through)[2])
+            through = ctx.extent(rep.through)
+            if through[2] >= end:
+                end, end_col = through[2], through[3]
+        if not end_col and end > 0:  # a block's span (the stdlib parser's) has no end column: its last line's end
+            lines = ctx._lines()
+            end_col = len(lines[end - 1].rstrip()) if end <= len(lines) else 0
         if ctx.has_noqa() and ctx.suppressed(rep.code, *(ctx.noqa_lines(rep.node) if rep.node is not None
                                                            else (line, line))):
             continue
         fixed = rep.fixed and (rep.code in ctx.fixing or (rep.node is None and bool(ctx.fixing)))
         out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end,
-                           not_applied=rep.not_applied))
+                           end_col=end_col, not_applied=rep.not_applied))
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out
 

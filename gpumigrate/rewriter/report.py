@@ -9,11 +9,22 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+import click
+
 from gpumigrate import __version__
 from gpumigrate.rewriter.engine import Finding
 from gpumigrate.rewriter.notebook import changed_cells, file_position, is_notebook
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+# There is no hosted documentation site: the project page (PyPI renders the README, whose
+# "Rules" table lists every code) is the one stable address; `gpumigrate explain CODE` has a
+# rule's full text. A per-rule page, when one exists, changes only `rule_url`.
+PROJECT_URL = "https://pypi.org/project/gpumigrate/"
+
+
+def rule_url(code: str) -> str:
+    """The documentation address of a rule (see PROJECT_URL)."""
+    return f"{PROJECT_URL}#rules"
 
 
 @dataclass(frozen=True)
@@ -26,9 +37,51 @@ class RuleInfo:
 
 
 @dataclass(frozen=True)
+class Edit:
+    """Lines start_line..end_line - 1 (1-based; equal: an insertion before start_line) of
+    the original file become `content`."""
+
+    start_line: int
+    end_line: int
+    content: str
+
+
+@dataclass(frozen=True)
 class Located:
     path: str
     finding: Finding
+    edits: Tuple[Edit, ...] = ()  # the fix's edits, when the fix was computed (lint JSON)
+    fix_message: str = ""
+
+
+def fix_edits(old: bytes, new: bytes) -> List[Edit]:
+    """The edited runs of lines between a file and its fixed form (the report's linear
+    line alignment, not difflib over the whole file)."""
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    return [Edit(i1 + 1, i2 + 1, b"".join(b[j1:j2]).decode("utf-8", "replace"))
+            for equal, i1, i2, j1, j2 in _runs(a, b) if not equal]
+
+
+def with_edits(items: Sequence[Located], edits: Sequence[Edit], fixed: Callable[[Finding], bool],
+               messages: Dict[str, str]) -> List[Located]:
+    """`items` of one file, each finding whose fix was applied (`fixed`) given the edits
+    that touch its lines and those that touch no finding's lines (an import added at the
+    top, a `device` defined once): a fix applied alone is then complete. As in ruff, two
+    fixes may share an edit (applying both applies it once)."""
+    def touches(e: Edit, f: Finding) -> bool:
+        last = max(f.end_line, f.line)
+        return e.start_line <= last and max(e.end_line, e.start_line + 1) > f.line
+
+    mine = [i for i in items if fixed(i.finding)]
+    shared = tuple(e for e in edits if not any(touches(e, i.finding) for i in mine))
+    out = []
+    for i in items:
+        if fixed(i.finding):
+            own = tuple(e for e in edits if touches(e, i.finding))
+            i = Located(i.path, i.finding, tuple(sorted(own + shared, key=lambda e: e.start_line)),
+                        messages.get(i.finding.code, ""))
+        out.append(i)
+    return out
 
 
 def sort_findings(items: Sequence[Located]) -> List[Located]:
@@ -41,22 +94,69 @@ def location(path: str, finding: Finding) -> str:
     return f"{path}:{cell}{finding.line}:{finding.col + 1}"
 
 
-def as_text(items: Sequence[Located]) -> str:
-    return "".join(f"{location(i.path, i.finding)}: {i.finding.code} {i.finding.message}\n" for i in items)
+def as_text(items: Sequence[Located], styled: bool = False) -> str:
+    """`path:line:col: CODE message` lines; `styled`: path bold, code bold red, as ruff
+    (click.echo drops the styles where colour is off)."""
+    if not styled:
+        return "".join(f"{location(i.path, i.finding)}: {i.finding.code} {i.finding.message}\n" for i in items)
+    out = []
+    for i in items:
+        where = location(i.path, i.finding)[len(i.path):]
+        out.append(f"{click.style(i.path, bold=True)}{click.style(where + ':', fg='cyan')} "
+                   f"{click.style(i.finding.code, fg='red', bold=True)} {i.finding.message}\n")
+    return "".join(out)
 
 
-def _in_file(item: Located) -> Tuple[int, int, int]:
-    """(line, 1-based column, end line) in the file itself. A notebook's cell position
-    becomes the line of the notebook's JSON that holds that code: what code scanning and
-    Actions annotations show is the raw file."""
+def statistics(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> List[Dict[str, Any]]:
+    """Findings per code, most first (then by code), as `ruff --statistics` counts them;
+    `fixable`: every one of them is."""
+    counts: Dict[str, int] = {}
+    fixable: Dict[str, int] = {}
+    for i in items:
+        code = i.finding.code
+        counts[code] = counts.get(code, 0) + 1
+        info = rules.get(code)
+        if info is not None and info.fixable and not i.finding.review:
+            fixable[code] = fixable.get(code, 0) + 1
+    return [{"code": code, "name": rules[code].name if code in rules else "", "count": n,
+             "fixable": fixable.get(code, 0) == n}
+            for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def statistics_text(rows: Sequence[Dict[str, Any]]) -> str:
+    """`count<TAB>code<TAB>[*] name` lines (`[*]`: fixable with --fix), as ruff prints them."""
+    if not rows:
+        return ""
+    width = max(len(str(r["count"])) for r in rows)
+    marks = any(r["fixable"] for r in rows)
+    return "".join(f"{r['count']:>{width}}\t{r['code']}\t{('[*] ' if r['fixable'] else '[ ] ') if marks else ''}"
+                   f"{r['name']}\n" for r in rows)
+
+
+def _in_file(item: Located) -> Tuple[int, int, int, Optional[int]]:
+    """(line, 1-based column, end line, 1-based column past the end or None) in the file
+    itself. A notebook's cell position becomes the line of the notebook's JSON that holds
+    that code: what code scanning and Actions annotations show is the raw file."""
     f = item.finding
     end = max(f.end_line, f.line)
+    end_col = f.end_col + 1 if f.end_col else None
     if f.cell:
         start = file_position(item.path, f.cell, f.line, f.col)
         if start is not None:
-            stop = file_position(item.path, f.cell, end, 0)
-            return start[0], start[1] + 1, max(stop[0] if stop else 0, start[0])
-    return f.line, f.col + 1, end
+            stop = file_position(item.path, f.cell, end, f.end_col)
+            stop_line = max(stop[0] if stop else 0, start[0])
+            stop_col = stop[1] + 1 if stop and f.end_col and stop[0] == stop_line else None
+            return start[0], start[1] + 1, stop_line, stop_col
+    return f.line, f.col + 1, end, end_col
+
+
+def _fix_json(i: Located) -> Optional[Dict[str, Any]]:
+    """ruff's `fix` object: the edits (1-based rows and columns, end exclusive) that apply it."""
+    if not i.edits:
+        return None
+    return {"applicability": "safe", "message": i.fix_message or None,
+            "edits": [{"content": e.content, "location": {"row": e.start_line, "column": 1},
+                       "end_location": {"row": e.end_line, "column": 1}} for e in i.edits]}
 
 
 def as_json(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> str:
@@ -66,10 +166,14 @@ def as_json(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> str:
             "line": i.finding.line,
             "column": i.finding.col + 1,
             "end_line": i.finding.end_line or i.finding.line,
+            # 1-based, just past the flagged code (ruff's end_location); null where unknown
+            "end_column": i.finding.end_col + 1 if i.finding.end_col else None,
             "code": i.finding.code,
             "name": rules[i.finding.code].name if i.finding.code in rules else "",
             "message": i.finding.message,
+            "url": rule_url(i.finding.code),
             "fixable": bool(rules.get(i.finding.code) and rules[i.finding.code].fixable and not i.finding.review),
+            "fix": _fix_json(i),
             # notebooks: the cell (1-based, every cell counted); line and column are in it
             **({"cell": i.finding.cell} if i.finding.cell else {}),
         }
@@ -98,6 +202,7 @@ def as_sarif(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> str:
                 "shortDescription": {"text": r.message},
                 "fullDescription": {"text": r.message},
                 "help": {"text": r.docs, "markdown": r.docs},
+                "helpUri": rule_url(r.code),
                 "defaultConfiguration": {"level": "warning"},
             }
             for r in ordered
@@ -106,7 +211,10 @@ def as_sarif(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> str:
     results = []
     for i in items:
         f = i.finding
-        line, col, end = _in_file(i)
+        line, col, end, end_col = _in_file(i)
+        region = {"startLine": max(line, 1), "startColumn": col, "endLine": max(end, line, 1)}
+        if end_col is not None:
+            region["endColumn"] = end_col
         result = {
             "ruleId": f.code,
             "level": "warning",
@@ -114,7 +222,7 @@ def as_sarif(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> str:
             "locations": [{
                 "physicalLocation": {
                     "artifactLocation": {"uri": _uri(i.path), "uriBaseId": "%SRCROOT%"},
-                    "region": {"startLine": max(line, 1), "startColumn": col, "endLine": max(end, line, 1)},
+                    "region": region,
                 }
             }],
         }
@@ -142,9 +250,11 @@ def _escape(value: str, property_value: bool = False) -> str:
 def as_github(items: Sequence[Located]) -> str:
     out = []
     for i in items:
-        line, col, end = _in_file(i)
+        line, col, end, end_col = _in_file(i)
         title = i.finding.code + (f" (cell {i.finding.cell}:{i.finding.line}:{i.finding.col + 1})" if i.finding.cell else "")
-        out.append(f"::warning file={_escape(i.path, True)},line={line},col={col},endLine={end},"
+        # GitHub takes columns only on a one-line annotation
+        columns = f"col={col},endColumn={end_col}," if end == line and end_col else f"col={col}," if end == line else ""
+        out.append(f"::warning file={_escape(i.path, True)},line={line},{columns}endLine={end},"
                    f"title={_escape(title, True)}::{_escape(i.finding.code + ' ' + i.finding.message)}\n")
     return "".join(out)
 
