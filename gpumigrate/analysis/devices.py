@@ -48,6 +48,15 @@ def cuda_type_dtype(qualified: Optional[str]) -> Optional[str]:
     return None
 
 
+def cuda_or_cpu(node: cst.BaseExpression) -> bool:
+    """`"cuda" if COND else "cpu"` (either way round, "cuda:n" too): a device name chosen by
+    whether CUDA is there (or a flag says to use it)."""
+    if not isinstance(node, cst.IfExp):
+        return False
+    names = [literal_str(node.body), literal_str(node.orelse)]
+    return "cpu" in names and any(cuda_string_index(n)[0] for n in names)
+
+
 @dataclass
 class DeviceDef:
     name: str
@@ -56,6 +65,10 @@ class DeviceDef:
     funcs: Tuple[cst.FunctionDef, ...]
     top: int  # statement order in the file
     hardcoded: bool
+    # `"cuda" if COND else "cpu"`, alone (`string`: the script's device is a str) or in
+    # `torch.device(...)`: COND chooses between an accelerator and the CPU
+    choice: Optional[cst.IfExp] = None
+    string: bool = False
 
 
 @dataclass
@@ -117,7 +130,10 @@ class DeviceFacts:
             if qualified == "torch.device":
                 first = get_arg(value, "type", 0)
                 is_cuda, _ = cuda_string_index(literal_str(first.value) if first else None)
-                self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=is_cuda))
+                # torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                choice = first.value if first is not None and cuda_or_cpu(first.value) else None
+                self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=is_cuda or bool(choice),
+                                           choice=choice))
                 self._def_calls.add(id(value))
                 return
             if runtime_helper(qualified) in ("get_device", "setup_distributed"):
@@ -125,13 +141,19 @@ class DeviceFacts:
                 return
             if qualified in ("argparse.ArgumentParser.parse_args",) or is_method_call(value, "parse_args"):
                 self.args_name = (target.value, stmt, funcs, top)
+        if isinstance(target, cst.Name) and cuda_or_cpu(value):
+            # device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=True, choice=value,
+                                       string=True))
+            return
         if isinstance(target, cst.Name) and isinstance(value, cst.IfExp):
             # device = torch.device('cuda', args.local_rank) if torch.cuda.is_available() else torch.device('cpu')
             branches = [b for b in (value.body, value.orelse)
                         if isinstance(b, cst.Call) and names.qualify(b.func) == "torch.device"]
             if len(branches) == 2:
                 hardcoded = any(torch_device_index(b)[0] for b in branches)
-                self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=hardcoded))
+                self.defs.append(DeviceDef(target.value, stmt, value, funcs, top, hardcoded=hardcoded,
+                                           choice=value if hardcoded else None))
                 self._def_calls.update(id(b) for b in branches)
                 self._def_calls.add(id(value))
                 return

@@ -9,11 +9,12 @@ import libcst as cst
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
-from gpumigrate.analysis.devices import CUDA_TYPES
+from gpumigrate.analysis.devices import CUDA_TYPES, cuda_or_cpu
 from gpumigrate.analysis.syntax import runtime_helper, walk
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import (
     cuda_string_index,
+    replace_calls,
     cuda_type_dtype,
     device_plan,
     torch_device_index,
@@ -41,6 +42,10 @@ def _cuda_method() -> Any:
     """One matcher object (made at first use: see rewriter/lazy.py), so `find` can remember it."""
     return m.Call(func=m.Attribute(attr=m.Name("cuda")))
 _SET_DEVICE = "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it (LOCAL_RANK's GPU under torchrun)"
+_ACCELERATOR_GUARD = ("`torch.cuda.is_available()` guards a move to the device: `accelerator_available()` asks "
+                      "what `get_device()` answers, so data and model meet on a Mac's GPU (MPS) too")
+_ACCELERATOR_FLAG = ("`torch.cuda.is_available()` chooses the device: `accelerator_available()` counts a Mac's GPU "
+                     "(MPS) and the other accelerators too; the flag still selects the CPU")
 
 
 class CudaCall(Rule):
@@ -255,11 +260,14 @@ class HardcodedDevice(Rule):
     ## What it does
     Finds hard-coded CUDA devices: `torch.device("cuda:0")`, `"cuda"` strings passed as
     devices, `torch.cuda.set_device(n)`, and `if args.cuda:` / `if use_cuda:` guards around
-    `.cuda()` calls.
+    `.cuda()` calls; and devices chosen between CUDA and the CPU
+    (`"cuda" if torch.cuda.is_available() else "cpu"`, `args.cuda = not args.no_cuda and
+    torch.cuda.is_available()`).
 
     ## Why is this bad?
     The script fails wherever there is no CUDA GPU, and `set_device` fights torchrun's
-    `LOCAL_RANK` placement.
+    `LOCAL_RANK` placement. A choice between CUDA and the CPU runs on the CPU on a Mac (MPS)
+    or with another accelerator (XPU).
 
     ## Example
     ```python
@@ -275,7 +283,12 @@ class HardcodedDevice(Rule):
     model.to(device)
     ```
     A `--no-cuda` flag keeps its meaning: the device becomes
-    `get_device() if args.cuda else torch.device("cpu")`. A GPU index that only an `if
+    `get_device() if args.cuda else torch.device("cpu")`, and the flag's
+    `torch.cuda.is_available()` becomes `accelerator_available()` (unless a CUDA-only call
+    such as `torch.cuda.get_device_name()` runs under the flag: then it is kept and reported).
+    `device = "cuda" if torch.cuda.is_available() else "cpu"` becomes `device = get_device()`,
+    a torch.device: `device == "cuda"` becomes `device.type == "cuda"`, `device_type=device`
+    becomes `device_type=device.type`, other string uses are reported. A GPU index that only an `if
     use_cuda:` guard defines (`gpu = args.gpu`) is defined on every device once the
     `.cuda(gpu)` calls leave their guards; where its value could fail or do something
     (`torch.cuda.current_device()`), those guards stay.
@@ -289,10 +302,11 @@ class HardcodedDevice(Rule):
     triggers = ("cuda",)
 
     # `torch.cuda.set_device`, or a "cuda[:n]" literal in `torch.device(...)`, `device=` or `.to(...)`
+    # ... or `torch.cuda.is_available()` in a flag that chooses the device
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_id("set_device") or (facts.any_id("device") or facts.any_call("to")) and any(
-            cuda_string_index(s)[0] for s in facts.strings)
+        return facts.any_id("set_device") or facts.any_id("is_available") or (
+            facts.any_id("device") or facts.any_call("to")) and any(cuda_string_index(s)[0] for s in facts.strings)
 
     examples = (
         Flagged(
@@ -304,11 +318,11 @@ class HardcodedDevice(Rule):
             "import torch\ntorch.cuda.set_device(0)\nx = torch.ones(1)\n",
             fixed="import torch\nx = torch.ones(1)\n",
         ),
-        Flagged(
+        Flagged(  # the flag asks for any accelerator; --no-cuda still means the CPU
             "import torch\nargs.cuda = not args.no_cuda and torch.cuda.is_available()\n"
             'if args.cuda:\n    model.cuda()\nx = torch.zeros(1, device="cuda")\n',
-            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\n"
-            "args.cuda = not args.no_cuda and torch.cuda.is_available()\n"
+            fixed="import torch\nfrom gpumigrate.runtime import accelerator_available, get_device\n\n"
+            "args.cuda = not args.no_cuda and accelerator_available()\n"
             'device = get_device() if args.cuda else torch.device("cpu")\nmodel.to(device)\n'
             "x = torch.zeros(1, device=device)\n",
         ),
@@ -320,14 +334,29 @@ class HardcodedDevice(Rule):
             "use_cuda = torch.cuda.is_available()\ngpu = 0\nmodel = torch.nn.Linear(2, 2)\n"
             "model.to(get_device(gpu))\nx = torch.zeros(1, device=device)\n",
         ),
-        Clean('import torch\ndevice = torch.device("cuda" if torch.cuda.is_available() else "cpu")\n'),
+        Flagged(  # CUDA or the CPU: the CPU on a Mac
+            'import torch\ndevice = torch.device("cuda" if torch.cuda.is_available() else "cpu")\n',
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n",
+        ),
+        Flagged(  # a device named by a string is a torch.device now: compared by its type
+            "import torch\ndevice = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+            "x = torch.zeros(1).to(device)\nif device == 'cuda':\n    torch.backends.cudnn.benchmark = True\n",
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n"
+            "x = torch.zeros(1).to(device)\nif device.type == 'cuda':\n    torch.backends.cudnn.benchmark = True\n",
+        ),
+        Clean('import torch\ndevice = get_device() if args.cuda else torch.device("cpu")\n'),
         Clean('import torch\nx = torch.zeros(2, device="cpu")\nname = "cuda"\n'),
     )
 
-    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
-        if self.qualify(original.func) == "torch.device":
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.BaseExpression]:
+        qualified = self.qualify(original.func)
+        if qualified == "torch.cuda.is_available":
+            return self._accelerator_flag(original)
+        if qualified == "torch.device":
             is_cuda, index = torch_device_index(original)
-            if not is_cuda:
+            first = get_arg(original, "type", 0)
+            choice = first.value if first is not None and cuda_or_cpu(first.value) else None
+            if not is_cuda and choice is None:
                 return None
             plan = device_plan(self.ctx)
             if plan.in_definition(original):
@@ -336,6 +365,8 @@ class HardcodedDevice(Rule):
             definition = plan.existing_definition(original)
             if definition is not None:
                 return plan.redefine(definition)
+            if choice is not None:  # torch.device("cuda" if torch.cuda.is_available() else "cpu") in place
+                return plan.redefine_choice(choice)
             index_node = cst.Integer(str(index)) if index is not None else None
             return plan.device_expr(index_node, self.fixing)
         args, changed = list(updated.args), False
@@ -353,15 +384,42 @@ class HardcodedDevice(Rule):
         return updated.with_changes(args=args) if changed else None
 
     def leave_IfExp(self, original: cst.IfExp, updated: cst.IfExp):
-        if not any(isinstance(b, cst.Call) and self.qualify(b.func) == "torch.device"
-                   for b in (original.body, original.orelse)):
+        if not cuda_or_cpu(original) and not any(isinstance(b, cst.Call) and self.qualify(b.func) == "torch.device"
+                                                 for b in (original.body, original.orelse)):
             return None
         plan = device_plan(self.ctx)
         definition = plan.existing_definition(original)
         if definition is None or not definition.hardcoded:
             return None
         self.report(original)
+        for where, why in plan.string_uses()[1] if definition.string else ():
+            self.report(where, why, review=True)
         return plan.redefine(definition)
+
+    def _accelerator_flag(self, original: cst.Call) -> Optional[cst.BaseExpression]:
+        """`torch.cuda.is_available()` in the flag that chooses the device
+        (`args.cuda = not args.no_cuda and ...`): any accelerator counts."""
+        plan = device_plan(self.ctx)
+        if id(original) in plan.accelerator_calls:
+            self.report(original, _ACCELERATOR_FLAG)
+            return cst.Call(func=runtime_name(self.ctx, "accelerator_available", self.fixing))
+        if "GM101" in self.ctx.fixing and isinstance(plan.accelerator_guard(original), cst.IfExp):
+            self.report(original, _ACCELERATOR_GUARD)  # `if` statements: leave_If, once it knows the guard stays
+            return cst.Call(func=runtime_name(self.ctx, "accelerator_available", self.fixing))
+        for call, why in plan.kept_flags:
+            if call is original:
+                self.report(original, why, review=True)
+        return None
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name):
+        if original.value in self._string_names and id(original) in device_plan(self.ctx).string_uses()[0]:
+            return cst.Attribute(value=updated, attr=cst.Name("type"))
+        return None
+
+    @functools.cached_property
+    def _string_names(self) -> frozenset:
+        """Names of devices the script holds as strings ("cuda"/"cpu"): few files have one."""
+        return frozenset(d.name for d in device_plan(self.ctx).defs if d.string)
 
     def leave_SimpleStatementLine(self, original, updated):
         keep = []
@@ -388,6 +446,21 @@ class HardcodedDevice(Rule):
                 for small in s.body) for s in body)
 
     def leave_If(self, original: cst.If, updated: cst.If):
+        dropped = self._drop_guard(original, updated)
+        if dropped is not None or not updated.test.deep_equals(original.test):  # another fix's test: leave it
+            return dropped
+        calls = [c for c in findall(original.test, m.Call()) if self.qualify(c.func) == "torch.cuda.is_available"]
+        if "GM101" not in self.ctx.fixing or not calls:
+            return None
+        plan = device_plan(self.ctx)
+        guards = {id(c) for c in calls if plan.accelerator_guard(c) is original}
+        if not guards:
+            return None
+        self.report(original.test, _ACCELERATOR_GUARD)
+        new = cst.Call(func=runtime_name(self.ctx, "accelerator_available", self.fixing))
+        return updated.with_changes(test=replace_calls(original.test, guards, new))
+
+    def _drop_guard(self, original: cst.If, updated: cst.If):
         if self._only_set_device(original) and not isinstance(original.body, cst.SimpleStatementSuite):
             # `if torch.cuda.is_available(): torch.cuda.set_device(n)` goes as a whole
             self.report(original, _SET_DEVICE)

@@ -10,12 +10,13 @@ so that the flag still selects the CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple, Union
 
 import libcst as cst
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.devices import (  # noqa: F401  (rules import these from the plan)
+    CUDA_TYPES,
     DeviceDef,
     Flag,
     Site,
@@ -23,7 +24,16 @@ from gpumigrate.analysis.devices import (  # noqa: F401  (rules import these fro
     cuda_type_dtype,
     torch_device_index,
 )
-from gpumigrate.codemods.helpers import findall, fresh_name, get_arg, literal_int, runtime_name, torch_name
+from gpumigrate.codemods.helpers import (
+    findall,
+    fresh_name,
+    get_arg,
+    is_method_call,
+    literal_int,
+    literal_str,
+    runtime_name,
+    torch_name,
+)
 from gpumigrate.rewriter.engine import FileContext
 from gpumigrate.rewriter.lazy import matchers as m
 
@@ -40,6 +50,11 @@ class DevicePlan:
     defs: List[DeviceDef] = field(default_factory=list)
     guard_flags: Set[str] = field(default_factory=set)  # `if <flag>:` guards safe to drop
     distributed_definition: bool = False  # ddp: the definition is `setup_distributed()`
+    flags: List[Flag] = field(default_factory=list)
+    # `torch.cuda.is_available()` calls (ids) in the flags that choose the device: they become
+    # `accelerator_available()`; or why one stays (a CUDA-only call runs under its flag)
+    accelerator_calls: Set[int] = field(default_factory=set)
+    kept_flags: List[Tuple[cst.Call, str]] = field(default_factory=list)
     _registered: bool = False
 
     # -- what fixes ask for -------------------------------------------------------------
@@ -74,8 +89,10 @@ class DevicePlan:
         """The new value of a device the script defines itself, or None to keep it:
         `torch.device("cuda:0")` -> `get_device()`, `torch.device("cuda", args.gpu)` ->
         `get_device(args.gpu)`."""
+        if d.choice is not None:
+            return self.redefine_choice(d.choice)
         if isinstance(d.call, cst.IfExp):
-            return self._redefine_choice(d.call)
+            return self.redefine_choice(d.call)
         if not d.hardcoded:
             return None
         return self._cuda_device(d.call)
@@ -90,17 +107,83 @@ class DevicePlan:
             args = [cst.Arg(cst.Integer(str(index)))]
         return cst.Call(func=runtime_name(self.ctx, "get_device"), args=args)
 
-    def _redefine_choice(self, choice: cst.IfExp) -> cst.BaseExpression:
-        """`torch.device('cuda', i) if COND else torch.device('cpu')`: COND that only asks for
-        CUDA is the runtime's job; a user's flag keeps choosing the CPU."""
-        test = choice.test
-        user_flag = not findall(test, m.Call(func=m.Attribute(attr=m.Name("is_available"))))
-        cuda = next(b for b in (choice.body, choice.orelse) if torch_device_index(b)[0])
-        call = self._cuda_device(cuda)
-        if not user_flag:
-            return call
+    def redefine_choice(self, choice: cst.IfExp) -> cst.BaseExpression:
+        """`"cuda" if COND else "cpu"` (alone, in `torch.device(...)`, or as
+        `torch.device('cuda', i) if COND else torch.device('cpu')`): COND that only asks
+        whether CUDA is there is the runtime's job (`get_device()`); a user's flag keeps
+        choosing the CPU, and its `torch.cuda.is_available()` asks for any accelerator."""
+        cuda_first = _cuda_branch(choice.body)
+        accelerator = self._accelerator_device(choice.body if cuda_first else choice.orelse)
+        if self.availability_only(choice.test):
+            return accelerator
         cpu = cst.Call(func=self.torch_name("device"), args=[cst.Arg(cst.SimpleString('"cpu"'))])
-        return cst.IfExp(test=test.deep_clone(), body=call, orelse=cpu)
+        body, orelse = (accelerator, cpu) if cuda_first else (cpu, accelerator)
+        return choice.with_changes(test=self.accelerator_test(choice.test), body=body, orelse=orelse)
+
+    def _accelerator_device(self, cuda: cst.BaseExpression) -> cst.Call:
+        if isinstance(cuda, cst.Call):
+            return self._cuda_device(cuda)
+        _, index = cuda_string_index(literal_str(cuda))  # "cuda:1"
+        args = [cst.Arg(cst.Integer(str(index)))] if index is not None and (self.multi_index or index > 0) else []
+        return cst.Call(func=runtime_name(self.ctx, "get_device"), args=args)
+
+    def availability_only(self, test: cst.BaseExpression) -> bool:
+        """Does COND only ask whether CUDA is there (`torch.cuda.is_available()`,
+        `torch.cuda.device_count() > 0`, a name bound once to such a test, combined with
+        `and`/`or`/`not`)? Then `get_device()` answers it, for any accelerator."""
+        qualify = self.ctx.names.qualify
+        for leaf in _boolean_leaves(test):
+            if isinstance(leaf, cst.Call) and qualify(leaf.func) == "torch.cuda.is_available":
+                continue
+            if isinstance(leaf, cst.Comparison) and isinstance(leaf.left, cst.Call) and \
+                    qualify(leaf.left.func) == "torch.cuda.device_count":
+                continue
+            if isinstance(leaf, cst.Name) and self._availability_name(leaf):
+                continue
+            return False
+        return True
+
+    def _availability_name(self, name: cst.Name) -> bool:
+        """`use_cuda` in COND, bound once in the file's reach, to `torch.cuda.is_available()`."""
+        s = script_model(self.ctx).s
+        scope, bindings = s.lookup(name.value, s.scope(name), s.order(name))
+        if scope is None or len(scope.bindings.get(name.value, [])) != 1:
+            return False
+        return any(f.only_availability and bindings[0].stmt is f.stmt.body[0] for f in self.flags)
+
+    def accelerator_test(self, test: cst.BaseExpression) -> cst.BaseExpression:
+        """COND with each `torch.cuda.is_available()` asking for any accelerator."""
+        calls = [c for c in findall(test, m.Call()) if self.ctx.names.qualify(c.func) == "torch.cuda.is_available"]
+        if not calls:
+            return test.deep_clone()
+        available = cst.Call(func=runtime_name(self.ctx, "accelerator_available"))
+        return replace_calls(test, {id(c) for c in calls}, available)
+
+    def accelerator_guard(self, call: cst.Call) -> Optional[Union[cst.If, cst.IfExp]]:
+        """`x.cuda() if torch.cuda.is_available() else x`, `if torch.cuda.is_available():`
+        around `.cuda()` (a guard that stays): once `.cuda()` is `.to(device)`, the guard must
+        ask what `get_device()` answers, or on a Mac the model goes to MPS and the data stays
+        on the CPU. The guard, where the call is such a test (not under `not`) and nothing
+        under the guard needs CUDA itself."""
+        s = script_model(self.ctx).s
+        node, parent = call, s.parent(call)
+        while isinstance(parent, cst.BooleanOperation):
+            node, parent = parent, s.parent(parent)
+        if not isinstance(parent, (cst.If, cst.IfExp)) or parent.test is not node:
+            return None
+        body = parent.body
+        qualify = self.ctx.names.qualify
+        moves = any(is_method_call(n, "cuda") or (isinstance(n, cst.Attribute) and cuda_type_dtype(qualify(n)))
+                    for n in s.index.subtree(body))
+        return parent if moves and _cuda_only_in(self.ctx, s, parent) is None else None
+
+    def string_uses(self) -> Tuple[Set[int], List[Tuple[cst.CSTNode, str]]]:
+        """A device the script named by a string (`device = "cuda" if ... else "cpu"`) is a
+        torch.device once it comes from `get_device()`: where the script reads it as a string,
+        `device == "cuda"` (False for any torch.device) becomes `device.type == "cuda"`, and
+        `torch.autocast(device_type=device)` takes `device.type`. The ids of the names that
+        take `.type`, and the reads no edit makes right (`device.startswith("cuda")`)."""
+        return self.ctx.shared("device-string-uses", lambda ctx: _string_uses(self))
 
     def in_definition(self, call: cst.CSTNode) -> bool:
         """Is this torch.device(...) one branch of a device definition being rewritten whole?"""
@@ -125,7 +208,11 @@ class DevicePlan:
             stmt = stmt.with_changes(leading_lines=[cst.EmptyLine()] if at else [])
             body = list(module.body)
             return module.with_changes(body=body[:at] + [stmt] + body[at:])
-        return module.visit(_InsertAfter(self.define_after, stmt))
+        anchor = self.define_after
+        if self.accelerator_calls:  # the flag's line as its fix left it
+            anchor = replace_calls(anchor, self.accelerator_calls,
+                                  cst.Call(func=runtime_name(self.ctx, "accelerator_available", False)))
+        return module.visit(_InsertAfter(anchor, stmt))
 
 
 class _InsertAfter(cst.CSTTransformer):
@@ -188,17 +275,22 @@ def _build(ctx: FileContext) -> DevicePlan:
     if not flags and scanner.cuda_argument and scanner.args_name:
         name, stmt, funcs, top = scanner.args_name
         flags.append(Flag(f"{name}.cuda", cst.parse_expression(f"{name}.cuda"), stmt, funcs, top, False))
+    plan.flags = flags
     plan.guard_flags = {f.code for f in flags if f.only_availability}
     plan.guard_flags.add("torch.cuda.is_available()")
     # Reuse a device the script already builds, if every use can see it.
     for d in scanner.defs:
         if _covers(d.funcs, d.top, needing):
             plan.name = d.name
-            return plan
-    if not needing and scanner.defs:
-        plan.name = scanner.defs[0].name
-        return plan
-    if not needing:
+            break
+    else:
+        if scanner.defs and not needing:
+            plan.name = scanner.defs[0].name
+    # the flags the script's own choice of device reads: `"cuda" if args.cuda else "cpu"`
+    chosen_by = {ctx.module.code_for_node(n) for d in scanner.defs if d.choice is not None
+                 and not plan.availability_only(d.choice.test) for n in _operands(d.choice.test)}
+    if plan.name is not None or not needing:
+        _accelerator_flags(plan, [f for f in flags if f.code in chosen_by])
         return plan
     plan.name = fresh_name(ctx, "device")
     user_flags = [f for f in flags if not f.only_availability]
@@ -210,7 +302,149 @@ def _build(ctx: FileContext) -> DevicePlan:
     else:
         plan.define_at_top = True
         plan.ignored_flag = flag
+    _accelerator_flags(plan, [f for f in flags if f.code in chosen_by or f is plan.flag])
     return plan
+
+
+# torch.cuda calls that do not need CUDA (they wait, return 0 or nothing, or are rewritten by
+# the device rules): a flag that guards only these may mean "an accelerator"
+_HARMLESS = frozenset({
+    "is_available", "device_count", "is_initialized", "manual_seed", "manual_seed_all", "seed", "seed_all",
+    "empty_cache", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+    "memory_cached", "max_memory_cached", "reset_peak_memory_stats", "reset_max_memory_allocated",
+    "memory_stats", "memory_summary", "synchronize", "set_device", *CUDA_TYPES,
+})
+
+
+def _accelerator_flags(plan: DevicePlan, flags: List[Flag]) -> None:
+    """`args.cuda = not args.no_cuda and torch.cuda.is_available()`, read by the device's
+    definition: its `torch.cuda.is_available()` becomes `accelerator_available()`, so that the
+    flag means "an accelerator unless --no-cuda" and a Mac's GPU is used. Only for a flag
+    that is a plain condition (names, `and`/`or`/`not`), and where no CUDA-only call
+    (`torch.cuda.get_device_name()`) runs under it; such a flag is kept and said."""
+    qualify = plan.ctx.names.qualify
+    s = script_model(plan.ctx).s
+    for flag in flags:
+        value = flag.stmt.body[0].value
+        leaves = list(_boolean_leaves(value))
+        if not all(isinstance(leaf, (cst.Name, cst.Attribute)) or (isinstance(leaf, cst.Call) and
+                   qualify(leaf.func) == "torch.cuda.is_available") for leaf in leaves):
+            continue
+        calls = [leaf for leaf in leaves if isinstance(leaf, cst.Call)]
+        cuda_only = _cuda_only_under(plan.ctx, s, flag)
+        if cuda_only is not None:
+            plan.kept_flags += [(c, f"`{flag.code}` keeps asking for CUDA only (`torch.cuda.is_available()`): "
+                                    f"`{cuda_only}` runs under it and needs CUDA; on a Mac or another "
+                                    "accelerator the script stays on the CPU") for c in calls]
+            continue
+        plan.accelerator_calls.update(id(c) for c in calls)
+
+
+def _cuda_only_under(ctx: FileContext, s, flag: Flag) -> Optional[str]:
+    """A `torch.cuda.*` call that needs CUDA, in an `if`/`... if ... else` that tests `flag`."""
+    render = ctx.module.code_for_node
+    for node in [*s.index.of(cst.If), *s.index.of(cst.IfExp)]:
+        if any(render(n) == flag.code for n in _operands(node.test)):
+            found = _cuda_only_in(ctx, s, node)
+            if found is not None:
+                return found
+    return None
+
+
+def _cuda_only_in(ctx: FileContext, s, node: cst.CSTNode) -> Optional[str]:
+    for call in s.index.subtree(node):
+        if isinstance(call, cst.Call):
+            qualified = ctx.names.qualify(call.func) or ""
+            if qualified.startswith("torch.cuda.") and qualified.count(".") == 2 and \
+                    qualified.rsplit(".", 1)[1] not in _HARMLESS:
+                return ctx.module.code_for_node(call.func) + "()"
+    return None
+
+
+_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
+
+
+def _string_uses(plan: DevicePlan) -> Tuple[Set[int], List[Tuple[cst.CSTNode, str]]]:
+    defs = {id(d.stmt.body[0]): d for d in plan.defs if d.string}
+    typed: Set[int] = set()
+    reviews: List[Tuple[cst.CSTNode, str]] = []
+    if not defs:
+        return typed, reviews
+    s = script_model(plan.ctx).s
+    names = {d.name for d in defs.values()}
+    render = plan.ctx.module.code_for_node
+    for node in s.index.of(cst.Name):
+        if node.value not in names:
+            continue
+        _, bindings = s.lookup(node.value, s.scope(node), s.order(node))
+        ours = [b for b in bindings if id(b.stmt) in defs]
+        if not ours or any(node is t.target for b in ours for t in b.stmt.targets):
+            continue
+        parent = s.parent(node)
+        if isinstance(parent, cst.ComparisonTarget):
+            parent = s.parent(parent)
+        need_type = False
+        if isinstance(parent, cst.Comparison):
+            others = [o for o in (parent.left, *(t.comparator for t in parent.comparisons)) if o is not node]
+            if not all(_device_types(o) for o in others):
+                reviews.append((parent, f"`{node.value}` is a torch.device now (`get_device()`), not a string: "
+                                        f"check `{render(parent)}`"))
+                continue
+            need_type = True
+        elif isinstance(parent, cst.Arg) and parent.value is node and parent.keyword is not None \
+                and parent.keyword.value == "device_type":
+            need_type = True
+        elif isinstance(parent, cst.Attribute) and parent.value is node and hasattr(str, parent.attr.value) \
+                or isinstance(parent, (cst.BinaryOperation, cst.Subscript)):
+            reviews.append((parent, f"`{node.value}` is a torch.device now (`get_device()`), not a string: "
+                                    f"check `{render(parent)}`"))
+            continue
+        if need_type and len(ours) < len(bindings):  # a string here too, at times
+            reviews.append((parent, f"`{node.value}` is a torch.device or a string here: check `{render(parent)}`"))
+        elif need_type:
+            typed.add(id(node))
+    return typed, reviews
+
+
+def _device_types(node: cst.BaseExpression) -> bool:
+    """"cuda", or ("cuda", "mps"): device types, which `device.type` is compared with."""
+    if isinstance(node, (cst.Tuple, cst.List, cst.Set)):
+        return bool(node.elements) and all(_device_types(e.value) for e in node.elements)
+    return literal_str(node) in _DEVICE_TYPES
+
+
+def _operands(test: cst.BaseExpression) -> List[cst.BaseExpression]:
+    """The names and attributes a condition reads (`args.cuda`, `args`, `use_cuda`; not the
+    `cuda` of `torch.cuda`)."""
+    found = findall(test, m.OneOf(m.Name(), m.Attribute()))
+    attrs = {id(n.attr) for n in found if isinstance(n, cst.Attribute)}
+    return [n for n in found if id(n) not in attrs]
+
+
+def _boolean_leaves(node: cst.BaseExpression):
+    """The operands of a condition made with `and`, `or` and `not`."""
+    if isinstance(node, cst.BooleanOperation):
+        yield from _boolean_leaves(node.left)
+        yield from _boolean_leaves(node.right)
+    elif isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not):
+        yield from _boolean_leaves(node.expression)
+    else:
+        yield node
+
+
+def _cuda_branch(node: cst.BaseExpression) -> bool:
+    """"cuda[:n]", or `torch.device("cuda", ...)`: the branch of a choice that picks CUDA."""
+    if isinstance(node, cst.Call):
+        return torch_device_index(node)[0]
+    return cuda_string_index(literal_str(node))[0]
+
+
+def replace_calls(node: cst.BaseExpression, ids: Set[int], new: cst.BaseExpression) -> cst.BaseExpression:
+    """`node` with the calls whose ids are given (nodes of the original tree) replaced by `new`."""
+    class Swap(cst.CSTTransformer):
+        def leave_Call(self, original, updated):
+            return new.deep_clone() if id(original) in ids else updated
+    return node.visit(Swap())
 
 
 def _local_rank(index: cst.BaseExpression) -> bool:
