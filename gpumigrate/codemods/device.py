@@ -413,6 +413,8 @@ class HardcodedDevice(Rule):
 
     def leave_Name(self, original: cst.Name, updated: cst.Name):
         if original.value in self._string_names and id(original) in device_plan(self.ctx).string_uses()[0]:
+            self.report(original, f"`{original.value}` is a torch.device now (`get_device()`): its type is the "
+                                  "string `\"cuda\"`/`\"cpu\"` the script compares")
             return cst.Attribute(value=updated, attr=cst.Name("type"))
         return None
 
