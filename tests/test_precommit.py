@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -131,11 +131,11 @@ def hook_repo(tmp_path_factory: pytest.TempPathFactory) -> HookRepo:
     return repo
 
 
-def _project(path: Path, repo: HookRepo) -> Path:
+def _project(path: Path, repo: HookRepo, hooks: Optional[List[dict]] = None) -> Path:
     """A user's repository whose .pre-commit-config.yaml uses both hooks (JSON is YAML)."""
     _init_repo(path, repo.env)
     config = {"repos": [{"repo": str(repo.path), "rev": repo.rev,
-                         "hooks": [{"id": "gpumigrate-lint"}, {"id": "gpumigrate"}]}]}
+                         "hooks": hooks or [{"id": "gpumigrate-lint"}, {"id": "gpumigrate"}]}]}
     (path / ".pre-commit-config.yaml").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
@@ -212,12 +212,53 @@ def test_fixing_hook_rewrites_then_passes(project: Path, hook_repo: HookRepo, tm
     migrated = script.read_text()
     assert ".cuda()" not in migrated and "x.to(device)" in migrated
     assert migrated == _migrated(tmp_path, BAD, "device")
+    # The rewrite adds a runtime dependency: the hook says so, and names the way around it.
+    assert "from gpumigrate.runtime import get_device" in migrated
+    assert re.search(r"^next: runtime: bad\.py now imports `gpumigrate\.runtime`: .*gpumigrate\[torch\].*"
+                     r"--vendor-runtime DIR", first.stdout, re.M), first.stdout
     # The user stages the rewrite; the next commit's run finds nothing to change.
     _git(project, hook_repo.env, "add", "bad.py")
     second = _pre_commit(project, hook_repo, "run", "gpumigrate", "--files", "bad.py")
     assert second.returncode == 0, second.stdout
     assert _hook_line(second.stdout, "gpumigrate migrate").endswith("Passed")
     assert script.read_text() == migrated
+
+
+def test_both_hooks_let_a_migrated_script_pass(tmp_path: Path, hook_repo: HookRepo) -> None:
+    # The fixing hook first, as ruff's fixer goes before its checks: lint sees the rewrite.
+    project = _project(tmp_path / "both", hook_repo, [{"id": "gpumigrate"}, {"id": "gpumigrate-lint"}])
+    script = _write(project, "train.py", TRAIN, env=hook_repo.env)
+    first = _pre_commit(project, hook_repo, "run", "--files", "train.py")
+    assert first.returncode == 1 and "- files were modified by this hook" in first.stdout, first.stdout
+    assert _hook_line(first.stdout, "gpumigrate migrate").endswith("Failed")
+    assert _hook_line(first.stdout, "gpumigrate lint").endswith("Passed"), first.stdout
+    _git(project, hook_repo.env, "add", "train.py")
+    second = _pre_commit(project, hook_repo, "run", "--files", "train.py")
+    assert second.returncode == 0, second.stdout
+    assert _hook_line(second.stdout, "gpumigrate migrate").endswith("Passed")
+    assert "get_device()" in script.read_text()
+
+
+def test_fixing_hook_with_a_vendored_runtime_needs_only_torch(tmp_path: Path, hook_repo: HookRepo) -> None:
+    # The documented alternative to the package import: `args: [--vendor-runtime, .]`.
+    project = _project(tmp_path / "vendored", hook_repo,
+                       [{"id": "gpumigrate", "args": ["--vendor-runtime", "."]}, {"id": "gpumigrate-lint"}])
+    script = _write(project, "bad.py", BAD, env=hook_repo.env)
+    first = _pre_commit(project, hook_repo, "run", "--files", "bad.py")
+    assert first.returncode == 1 and "- files were modified by this hook" in first.stdout, first.stdout
+    assert "wrote ./gpumigrate_runtime.py" in first.stdout and "gpumigrate.runtime" not in first.stdout
+    migrated = script.read_text()
+    assert "from gpumigrate_runtime import get_device" in migrated and "gpumigrate.runtime" not in migrated
+    # The user adds the runtime with the rewrite; both hooks then pass on both files.
+    _git(project, hook_repo.env, "add", "bad.py", "gpumigrate_runtime.py")
+    second = _pre_commit(project, hook_repo, "run", "--files", "bad.py", "gpumigrate_runtime.py")
+    assert second.returncode == 0, second.stdout
+    assert script.read_text() == migrated
+    # It runs where gpumigrate cannot be imported at all.
+    blocked = "import runpy, sys; sys.modules['gpumigrate'] = None; sys.path.insert(0, '.'); runpy.run_path('bad.py')"
+    ran = subprocess.run([sys.executable, "-c", blocked], cwd=str(project), capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0 and "tensor([0., 0., 0.])" in ran.stdout, ran.stderr
 
 
 def test_fixing_hook_migrates_to_the_configured_target(project: Path, hook_repo: HookRepo,
