@@ -12,7 +12,7 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import click
 
@@ -604,8 +604,6 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
 
     Rules are given by code, prefix or name (GM301, GM3, tensor-accumulation).
     Exit 0 when clean, 1 when there are findings (with --fix --diff: when there are fixes), 2 on errors."""
-    from dataclasses import replace
-
     from gpumigrate.codemods import RULES_BY_CODE
     from gpumigrate.rewriter import report
     from gpumigrate.rewriter.notebook import is_notebook
@@ -634,13 +632,16 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
         else:
             _echo(text, nl=False, color=colour)
 
-    # JSON gives each finding its fix's edits, as ruff does: the fixes are computed, not applied
+    # JSON gives each finding its fix's edits, as ruff does: the fixes are computed, not applied,
+    # in a second run over the files with fixable findings only (a fixing run parses every file
+    # it is given, where lint skips most), on the bytes the first run read.
     preview = fmt == "json" and not fix and not statistics
     done = {r.code: r.done for r in selection.rules if r.fixed_in}
+    to_fix: Dict[str, Tuple[List[str], bytes]] = {}  # file -> the codes of its fixable findings, its bytes
 
     def plan(name: str) -> Passes:
         rules = selection.for_file(name)
-        return [(rules, [r.code for r in rules if r.fixed_in] if fix or preview else [])]
+        return [(rules, [r.code for r in rules if r.fixed_in] if fix else [])]
 
     from gpumigrate.codemods import OPT_IN, opted_in  # a rule named in full also reports its migration notes
 
@@ -667,20 +668,32 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
                 failed += 1
                 _err(f"error: {result.error}")
                 continue
-        if preview:  # every finding is reported; the fixed ones carry their edits
-            items = [report.Located(result.path, f) for f in result.findings]
-            if result.changed and not is_notebook(result.path):  # a notebook's edits would be in its JSON
-                items = report.with_edits(items, report.fix_edits(result.source, result.new_source),
-                                          lambda f: f.fixed, done)
-            mine = report.sort_findings([replace(i, finding=replace(i.finding, fixed=False)) for i in items])
-        else:
-            fixed += sum(1 for f in result.findings if f.fixed)
-            mine = report.sort_findings([report.Located(result.path, f) for f in result.findings if not f.fixed])
+        codes = sorted({f.code for f in result.findings if f.code in done and not f.review}) if preview else []
+        if codes and not is_notebook(result.path):  # a notebook's edits would be in its JSON
+            to_fix[result.path] = (codes, result.source)
+        fixed += sum(1 for f in result.findings if f.fixed)
+        mine = report.sort_findings([report.Located(result.path, f) for f in result.findings if not f.fixed])
         if mine:
             files_with.add(result.path)
             located += mine
             if streaming:  # each file's findings as it is done, not all at the end of a long run
                 out(report.as_text(mine, styled=True))
+    if to_fix:
+        from gpumigrate.rewriter.cache import Cache, cache_dir
+        from gpumigrate.rewriter.workers import Task, process_cached
+
+        options = {OPT_IN: opted_in(selection.chosen)}
+        named = (stdin_filename or STDIN) if reading_stdin else None  # the name stdin's rules were chosen by
+        tasks = [Task(path, _frozen([(selection.for_file(named or path), codes)]), options, tuple(_repairs()), None,
+                      source) for path, (codes, source) in to_fix.items()]
+        fixes = process_cached(tasks, jobs, None if no_cache else Cache(cache_dir()), config.file_timeout)
+        found: Dict[str, List[Any]] = {}
+        for item in located:
+            found.setdefault(item.path, []).append(item)
+        for result in _progress(fixes, len(tasks), "computing fixes"):
+            if not result.error and result.changed:  # a file whose fixes fail keeps its findings, without edits
+                found[result.path] = _with_fixes(found.get(result.path, []), result, done)
+        located = [i for items in found.values() for i in items]
     located = report.sort_findings(located)
     infos = {r.code: report.RuleInfo(r.code, r.name, r.message, r.docs(), bool(r.fixed_in))
              for r in selection.rules}
@@ -706,6 +719,16 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
         sys.exit(EXIT_ERROR)
     pending = fixed if show_diff else located  # --fix --diff: fixes not written are what fails the check (ruff)
     sys.exit(EXIT_CHANGES if pending and not exit_zero else EXIT_OK)
+
+
+def _with_fixes(found: List[Any], fixing: "FileResult", done: Dict[str, str]) -> List[Any]:
+    """The lint findings of a file, each one the fixing run fixed with that run's edits. The
+    findings stay lint's: a fixing run may report a little differently (a guard it unwraps)."""
+    from gpumigrate.rewriter import report
+
+    applied = {(f.line, f.col, f.code) for f in fixing.findings if f.fixed}
+    edits = report.fix_edits(fixing.source, fixing.new_source)
+    return report.with_edits(found, edits, lambda f: (f.line, f.col, f.code) in applied, done)
 
 
 def _check_output_file(path: str, inputs: Sequence[str]) -> None:

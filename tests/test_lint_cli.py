@@ -452,7 +452,8 @@ def test_sarif_and_github_carry_the_end_column_and_docs(script):
 def test_github_gives_no_columns_to_a_multiline_finding(tmp_path):
     path = tmp_path / "t.py"
     path.write_text("import torch\ndef f(loader, model):\n    total = 0\n    for x in loader:\n"
-                    "        loss = model(x)\n        loss.backward()\n        total += (\n            loss\n        )\n")
+                    "        loss = model(x)\n        loss.backward()\n"
+                    "        total += (\n            loss\n        )\n")
     (line,) = lint(path, "--format", "github").stdout.splitlines()
     assert ",line=7,endLine=9," in line
     assert "col=" not in line.split("title=")[0] and "endColumn" not in line
@@ -504,3 +505,25 @@ def test_the_lint_table_is_checked(tmp_path, script):
     (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nexclude = ["x"]\n')
     result = run("lint", script)
     assert result.exit_code == 2 and "unknown [tool.gpumigrate.lint] setting 'exclude'" in result.output
+
+
+GUARDED = textwrap.dedent("""\
+    import torch
+    model = torch.nn.Linear(2, 2)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    x = torch.ones(2).cuda()
+    """)
+
+
+def test_json_reports_the_findings_text_does_and_fixes_stdin_too(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text(GUARDED)
+    text = [line.split(": ")[0].split(":")[1:] + [line.split(": ")[1].split()[0]]
+            for line in lint(path).stdout.splitlines()]
+    rows = json.loads(lint(path, "--format", "json").stdout)
+    assert [[str(r["line"]), str(r["column"]), r["code"]] for r in rows] == text  # a fixing run reports otherwise
+    assert all(r["fix"] for r in rows if r["code"] == "GM101")
+    piped = json.loads(run("lint", "-", "--stdin-filename", "t.py", "--format", "json", input=GUARDED).stdout)
+    assert [(r["line"], r["code"]) for r in piped] == [(r["line"], r["code"]) for r in rows]
+    assert [r["fix"] for r in piped] == [r["fix"] for r in rows]
