@@ -144,10 +144,10 @@ def _show_diff(path: str, old: bytes, new: bytes, colour: Optional[bool]) -> Non
 
 
 _COLOR = click.option("--color", "color", type=click.Choice(["auto", "always", "never"]), default="auto",
-                      show_default=True, help="Colour the diff (NO_COLOR in the environment means never).")
+                      show_default=True, help="Colour the diff and the findings (NO_COLOR in the environment means never).")
 _SELECT = click.option("--select", multiple=True, metavar="CODES",
-                       help="Only these codes or prefixes (GM3), comma-separated.")
-_IGNORE = click.option("--ignore", multiple=True, metavar="CODES", help="Skip these codes or prefixes.")
+                       help="Only these codes, prefixes (GM3) or rule names, comma-separated.")
+_IGNORE = click.option("--ignore", multiple=True, metavar="CODES", help="Skip these codes, prefixes or rule names.")
 _EXCLUDE = click.option("--exclude", multiple=True, metavar="GLOB",
                         help="Skip matching paths, gitignore-style (repeatable).")
 _STDIN_NAME = click.option("--stdin-filename", metavar="PATH", default=None,
