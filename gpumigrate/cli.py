@@ -154,6 +154,13 @@ _STDIN_NAME = click.option("--stdin-filename", metavar="PATH", default=None,
                            help="The name of the file read from `-` (for messages and configuration).")
 _JOBS = click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, metavar="N",
                      help="Files processed at a time, each in a worker process (default: one per CPU).")
+_PY2 = click.option("--py2", is_flag=True,
+                    help="Convert Python 2 scripts to Python 3 first (2to3's fixers, by fissix: "
+                         "pip install 'gpumigrate[py2]'); the report lists the fixers used.")
+_REFORMAT_NOTEBOOKS = click.option(
+    "--reformat-notebooks", is_flag=True,
+    help="A notebook whose JSON cannot be written back byte for byte is written as nbformat (Jupyter) writes "
+         "it; the diff shows the JSON's changes.")
 _NO_CACHE = click.option("--no-cache", is_flag=True,
                          help="Do not read or write the results cache (in the user's cache folder, or "
                               "GPUMIGRATE_CACHE_DIR).")
@@ -199,10 +206,12 @@ class _TargetList(click.ParamType):
 @click.option("-q", "--quiet", is_flag=True, help="Only errors and the summary.")
 @_JOBS
 @_NO_CACHE
+@_PY2
+@_REFORMAT_NOTEBOOKS
 def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, check: bool, output: Optional[str],
             select: Tuple[str, ...], ignore: Tuple[str, ...], exclude: Tuple[str, ...], sync_bn: bool, keep_half: bool,
             report_file: Optional[str], stdin_filename: Optional[str], color: str, vendor_dir: Optional[str],
-            quiet: bool, jobs: Optional[int], no_cache: bool) -> None:
+            quiet: bool, jobs: Optional[int], no_cache: bool, py2: bool, reformat_notebooks: bool) -> None:
     """Rewrite PATHS (files, directories, or `-` for stdin) for the --to target.
 
     Exit 0 when done, 1 when --check finds files that would change, 2 on errors."""
@@ -239,7 +248,8 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
     def plan(name: str) -> Passes:
         return passes_for(target, selection.for_file(name, target_rules))
 
-    options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module}
+    options = {"sync_bn": sync_bn, "keep_half": keep_half, "runtime_module": runtime_module,
+               **_conversions(py2, reformat_notebooks)}
     results: List[FileResult] = []
     project = None
     if not reading_stdin:
@@ -330,6 +340,19 @@ def _with_project(options: Optional[dict], project: Any) -> Optional[dict]:
 
 
 
+def _conversions(py2: bool, reformat_notebooks: bool) -> dict:
+    """The opt-in conversions of inputs (rewriter/prepare.py), as options; only those asked for,
+    so that other runs' cache keys stay as they were."""
+    from gpumigrate.rewriter.prepare import PY2, REFORMAT_NOTEBOOKS
+
+    if py2:
+        from gpumigrate.rewriter.py2 import FLAG, INSTALL, available
+
+        if not available():
+            raise click.UsageError(f"{FLAG} needs the fissix package: {INSTALL}")
+    return {**({PY2: True} if py2 else {}), **({REFORMAT_NOTEBOOKS: True} if reformat_notebooks else {})}
+
+
 def _frozen(passes: "Passes") -> tuple:
     return tuple((tuple(rules), tuple(fix)) for rules, fix in passes)
 
@@ -385,6 +408,8 @@ def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optiona
             return
     if quiet:
         return
+    for note in result.prepared:  # --py2, --reformat-notebooks
+        _err(f"note: {result.path}: {note}")
     # Written: the positions of the file the user now opens. Not written: the file as it is.
     moved = position_map(result.path, result.source, result.new_source) if result.changed and not (
         show_diff or check or to_stdout) else None
@@ -596,10 +621,13 @@ FORMATS = ("text", "json", "sarif", "github")
 @_COLOR
 @_JOBS
 @_NO_CACHE
+@_PY2
+@_REFORMAT_NOTEBOOKS
 def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[str, ...], ignore: Tuple[str, ...],
          fix: bool, show_diff: bool, fmt: str, statistics: bool, output_file: Optional[str], exit_zero: bool,
          quiet: bool, config_file: Optional[str], isolated: bool, exclude: Tuple[str, ...],
-         stdin_filename: Optional[str], color: str, jobs: Optional[int], no_cache: bool) -> None:
+         stdin_filename: Optional[str], color: str, jobs: Optional[int], no_cache: bool, py2: bool,
+         reformat_notebooks: bool) -> None:
     """Report GPU memory and speed anti-patterns in PATHS (`-` for stdin).
 
     Rules are given by code, prefix or name (GM301, GM3, tensor-accumulation).
@@ -645,7 +673,8 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
 
     from gpumigrate.codemods import OPT_IN, opted_in  # a rule named in full also reports its migration notes
 
-    processed = _process(files, stdin_filename, plan, {OPT_IN: opted_in(selection.chosen)},
+    processed = _process(files, stdin_filename, plan, {OPT_IN: opted_in(selection.chosen),
+                                                       **_conversions(py2, reformat_notebooks)},
                          max_size=config.max_file_size, jobs=jobs,
                          cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
     streaming = fmt == "text" and not show_diff and not (fix and reading_stdin) and not statistics and sink is None
@@ -668,6 +697,8 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
                 failed += 1
                 _err(f"error: {result.error}")
                 continue
+        for note in result.prepared if not quiet else ():  # --py2, --reformat-notebooks
+            _err(f"note: {result.path}: {note}")
         codes = sorted({f.code for f in result.findings if f.code in done and not f.review}) if preview else []
         if codes and not is_notebook(result.path):  # a notebook's edits would be in its JSON
             to_fix[result.path] = (codes, result.source)
@@ -682,7 +713,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
         from gpumigrate.rewriter.cache import Cache, cache_dir
         from gpumigrate.rewriter.workers import Task, process_cached
 
-        options = {OPT_IN: opted_in(selection.chosen)}
+        options = {OPT_IN: opted_in(selection.chosen), **_conversions(py2, reformat_notebooks)}
         named = (stdin_filename or STDIN) if reading_stdin else None  # the name stdin's rules were chosen by
         tasks = [Task(path, _frozen([(selection.for_file(named or path), codes)]), options, tuple(_repairs()), None,
                       source) for path, (codes, source) in to_fix.items()]

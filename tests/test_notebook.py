@@ -402,12 +402,73 @@ def test_unreproducible_layout_refused(tmp_path, tweak):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
     assert errors[0].startswith(f"error: {path}: cannot rewrite: writing it back would change its ")
-    assert errors[0].endswith("; notebook left unchanged")
+    assert errors[0].endswith("; notebook left unchanged (--reformat-notebooks writes its JSON as nbformat does)")
     assert "Traceback" not in result.output
     assert path.read_bytes() == before
     # lint still reads it
     result = lint(path, "--select", "GM101")
     assert result.exit_code == 1 and f"{path}:cell 2:1:19: GM101" in result.stdout
+
+
+def _odd(tmp_path, cells=CELLS):
+    """A notebook nbformat would write with `"text": []` where the file has `[ ]` (an empty
+    stream output, as some tools write it)."""
+    nb = make(cells)
+    nb["cells"][1]["outputs"] = [{"name": "stdout", "output_type": "stream", "text": []}]
+    raw = (json.dumps(nb, **NBFORMAT) + "\n").replace('"text": []', '"text": [ ]')
+    path = tmp_path / "odd.ipynb"
+    path.write_bytes(raw.encode())
+    return path, nb
+
+
+def test_reformat_notebooks_writes_the_json_as_nbformat_does(tmp_path):
+    path, nb = _odd(tmp_path)
+    before = path.read_bytes()
+    result = cli(path, "--to", "device", "--reformat-notebooks")
+    assert result.exit_code == 0, result.output
+    after = path.read_bytes()
+    data = json.loads(after)
+    assert after == (json.dumps(data, **NBFORMAT) + "\n").encode()  # nbformat's layout, exactly
+    assert data["cells"][1]["source"] == "x = torch.ones(1).to(device)\ny = 2"
+    assert data["cells"][1]["outputs"] == nb["cells"][1]["outputs"]  # outputs untouched
+    assert data["cells"][2] == nb["cells"][2]
+    assert "note: " + str(path) + ': JSON written as nbformat writes it (--reformat-notebooks): 1 line of layout ' \
+        'changed (line 20: "text": [ ] -> "text": [])' in result.stderr
+    # only that line and the migrated sources differ
+    changed = [line for line in difflib.ndiff(before.decode().splitlines(), after.decode().splitlines())
+               if line.startswith("- ")]
+    assert '-      "text": [ ]' in changed and all('"text"' in c or "cuda" in c or "import torch" in c
+                                                     for c in changed), changed
+    again = cli(path, "--to", "device", "--reformat-notebooks")
+    assert again.exit_code == 0 and "note:" not in again.stderr and path.read_bytes() == after
+
+
+def test_reformat_notebooks_diff_shows_the_json_changes_first(tmp_path):
+    path, _ = _odd(tmp_path)
+    before = path.read_bytes()
+    result = cli(path, "--to", "device", "--reformat-notebooks", "--diff")
+    assert result.exit_code == 0 and path.read_bytes() == before
+    diff = result.stdout
+    assert diff.startswith(f"--- {path}\t(original JSON)\n+++ {path}\t(as nbformat writes it)\n")
+    assert '-     "text": [ ]\n+     "text": []\n' in diff
+    assert f"--- {path}:cell 2\t(original)" in diff and "+x = torch.ones(1).to(device)" in diff
+    assert diff.index("(as nbformat writes it)") < diff.index(":cell 2\t(original)")
+
+
+def test_reformat_notebooks_with_lint_fix(tmp_path):
+    path, _ = _odd(tmp_path)
+    assert lint(path, "--fix", "--select", "GM101").exit_code == 2  # refused: names the flag
+    result = lint(path, "--fix", "--select", "GM101", "--reformat-notebooks")
+    assert result.exit_code == 0, result.output
+    assert "JSON written as nbformat writes it" in result.stderr
+    assert "to(device)" in text(json.loads(path.read_bytes())["cells"][1])
+
+
+def test_reformat_notebooks_leaves_a_notebook_with_nothing_to_migrate(tmp_path):
+    path, _ = _odd(tmp_path, ["import torch\n", "y = 2"])
+    before = path.read_bytes()
+    result = cli(path, "--to", "device", "--reformat-notebooks")
+    assert result.exit_code == 0 and path.read_bytes() == before and "note:" not in result.stderr
 
 
 BAD = {

@@ -117,7 +117,7 @@ class Cache:
         return None if again is None else not again.changed
 
     def put(self, key: str, result: FileResult) -> None:
-        if self.broken or result.error is not None:
+        if self.broken or result.error is not None or result.prepared:  # opt-in conversions: rare, not kept
             return
         entry = {"findings": [dataclasses.asdict(f) for f in result.findings],
                  "new_source": None if result.new_source is None else base64.b64encode(result.new_source).decode()}

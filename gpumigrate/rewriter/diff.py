@@ -34,12 +34,12 @@ def file_diff(path: str, old: bytes, new: bytes) -> str:
     """The diff of a rewrite: one unified diff for a file; for a notebook, one per changed
     cell, headed `path:cell N` (cells counted as in findings), since a diff of the JSON
     would show escaped strings."""
-    from gpumigrate.rewriter.notebook import changed_cells, is_notebook  # loads libcst: not for --help
+    from gpumigrate.rewriter.notebook import changed_cells, is_notebook, reformat_diff  # loads libcst: not for --help
 
     cells = changed_cells(old, new) if is_notebook(path) else None
     if cells is None:
         return unified_diff(path, old, new)
-    out = []
+    out = [reformat_diff(path, old)]  # --reformat-notebooks: the JSON's own changes come first
     for number, before, after in cells:
         # A cell's last line has no newline in Jupyter; that is not a change worth a marker.
         before, after = (t if t.endswith("\n") or not t else t + "\n" for t in (before, after))

@@ -68,6 +68,9 @@ class FileResult:
     findings: List[Finding] = field(default_factory=list)
     error: Optional[str] = None  # one user-facing line
     read_as: Any = None  # files.Stamp of the file read: a write in place checks it still holds that
+    # What was done to the input before the rules ran, one line each: the opt-in conversions
+    # (--py2, --reformat-notebooks; rewriter/prepare.py). Empty unless the file was rewritten.
+    prepared: List[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -865,7 +868,8 @@ def _is_python2(message: str, line: str) -> bool:
 def _parse_error(text: str, path: str, err: SyntaxError) -> UserError:
     line = err.lineno or 1
     if _is_python2(err.msg, _line(text, line)):
-        return UserError(f"{path}:{line}: cannot parse: Python 2 syntax ({err.msg}); run 2to3 on it first")
+        return UserError(f"{path}:{line}: cannot parse: Python 2 syntax ({err.msg}); "
+                         "--py2 converts it first (2to3's fixers)")
     version = "{}.{}".format(*sys.version_info[:2])
     return UserError(f"{path}:{line}: cannot parse: {err.msg} (Python {version})")
 

@@ -15,11 +15,13 @@ that the engine analyses and rewrites like a file; findings are mapped back to
   cell. Cells whose text did not change keep their JSON value as it was.
 - The notebook is written back with the layout it was read with (indent, separators,
   `ensure_ascii`, line endings, final newline); a notebook whose layout cannot be reproduced
-  exactly is linted but never rewritten.
+  exactly is linted but not rewritten, unless the user opts in (`--reformat-notebooks`) to
+  its JSON being written the way nbformat (and so Jupyter) writes it: `reformatted`.
 """
 
 from __future__ import annotations
 
+import difflib
 import io
 import json
 import os
@@ -62,13 +64,23 @@ class Layout:
     newline: str
     trailer: str  # whitespace after the closing brace
     bom: bool
+    sort_keys: bool = False  # the keys' order is the file's own (as read) unless sorted
 
     def dumps(self, data: Any) -> bytes:
-        text = json.dumps(data, indent=self.indent, separators=self.separators, ensure_ascii=self.ensure_ascii)
+        text = json.dumps(data, indent=self.indent, separators=self.separators, ensure_ascii=self.ensure_ascii,
+                          sort_keys=self.sort_keys)
         text += self.trailer
         if self.newline != "\n":
             text = text.replace("\n", self.newline)  # JSON strings hold no raw newlines
         return ("\ufeff" if self.bom else "").encode("utf-8") + text.encode("utf-8")
+
+
+# How nbformat writes a notebook (nbformat/v4/nbjson.py, JSONWriter.writes, and
+# nbformat.write's final newline): Jupyter saves files this way. Only the layout is taken;
+# nbformat's content changes (sources split into lines, transient metadata dropped) are not.
+NBFORMAT_LAYOUT = Layout(indent=" ", separators=(",", ": "), ensure_ascii=False, newline="\n", trailer="\n",
+                         bom=False, sort_keys=True)
+REFORMAT_FLAG = "--reformat-notebooks"
 
 
 @dataclass
@@ -406,11 +418,58 @@ def process_notebook(source: bytes, path: str, rules: Sequence[type], *, fix: Se
         if not changed:
             return result
         if nb.layout is None:
-            raise UserError(f"{path}: cannot rewrite: {nb.layout_problem}; notebook left unchanged")
+            raise UserError(f"{path}: cannot rewrite: {nb.layout_problem}; notebook left unchanged "
+                            f"({REFORMAT_FLAG} writes its JSON as nbformat does)")
         for code in changed:
             code.cell["source"] = _source_value(texts[code.number], code.cell.get("source", ""))
         result.new_source = nb.layout.dumps(nb.data)
     return result
+
+
+# -- --reformat-notebooks ----------------------------------------------------------------------
+
+def reformatted(source: bytes, path: str) -> Optional[Tuple[bytes, str]]:
+    """A notebook whose JSON cannot be written back byte for byte, written as nbformat
+    writes it (same data), and a one-line account of what that changed; None where the
+    layout is reproduced (nothing to do) or the file is no notebook (the engine says why)."""
+    try:
+        nb = load(source, path)
+    except UserError:
+        return None
+    if nb.layout is not None:
+        return None
+    new = NBFORMAT_LAYOUT.dumps(nb.data)
+    changes = json_changes(source, new)
+    shown = "; ".join(f"line {n}: {a.strip()} -> {b.strip()}" for n, a, b in changes[:2]) or \
+        "line endings, byte order mark or final newline only"
+    more = f"; ... {len(changes) - 2} more" if len(changes) > 2 else ""
+    return new, (f"JSON written as nbformat writes it ({REFORMAT_FLAG}): "
+                 f"{len(changes)} line{'' if len(changes) == 1 else 's'} of layout changed ({shown}{more})")
+
+
+def json_changes(old: bytes, new: bytes) -> List[Tuple[int, str, str]]:
+    """(line of `old`, old text, new text) of each line pair a re-serialisation changed;
+    a line that went or came pairs with an empty text."""
+    a = old.decode("utf-8-sig").splitlines()
+    b = new.decode("utf-8").splitlines()
+    out: List[Tuple[int, str, str]] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag != "equal":
+            for k in range(max(i2 - i1, j2 - j1)):
+                out.append((i1 + min(k, max(i2 - i1 - 1, 0)) + 1, a[i1 + k] if i1 + k < i2 else "",
+                            b[j1 + k] if j1 + k < j2 else ""))
+    return out
+
+
+def reformat_diff(path: str, old: bytes) -> str:
+    """The unified diff of the JSON re-serialisation `--reformat-notebooks` makes of `old`
+    before the migration ("" if its layout is reproduced): the changes a cell diff hides."""
+    made = reformatted(old, path)
+    if made is None:
+        return ""
+    return "".join(difflib.unified_diff(old.decode("utf-8-sig").splitlines(keepends=True),
+                                        made[0].decode("utf-8").splitlines(keepends=True),
+                                        fromfile=f"{path}\t(original JSON)", tofile=f"{path}\t(as nbformat writes it)"))
 
 
 # -- for diffs and reports ------------------------------------------------------------------

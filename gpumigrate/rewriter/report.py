@@ -499,6 +499,8 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
             "not_applied": sorted({f.not_applied for f in r.findings if f.not_applied and not r.error}),
             "review": _quoted(r, _grouped([f for f in r.findings if not f.fixed], where)),
             "fixed": _grouped([_as_done(f, done or {}) for f in r.findings if f.fixed], where),
+            # opt-in conversions of the input before the rules ran (--py2, --reformat-notebooks)
+            "converted": list(getattr(r, "prepared", ())) if r.changed and not r.error else [],
         })
     totals = {
         "files": len(files), "changed": sum(f["changed"] for f in files),
@@ -526,6 +528,8 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
             continue
         if f["not_applied"]:
             out += [f"**Not applied: {', '.join('--to ' + t for t in f['not_applied'])}** (the review items say why)", ""]
+        if f["converted"]:
+            out += ["### Converted before the migration", ""] + [f"- {note}" for note in f["converted"]] + [""]
         for title, key in (("Review by hand", "review"), ("Changed", "fixed")):
             if f[key]:
                 out += [f"### {title}", ""] + [_item(g) for g in f[key]] + [""]

@@ -10,10 +10,11 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
-from gpumigrate.rewriter.engine import FileResult, process
+from gpumigrate.rewriter.engine import FileResult, UserError, process
 from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Refused, Stamp, read, write_atomic
 from gpumigrate.rewriter.names import ImportTable
 from gpumigrate.rewriter.notebook import is_notebook, process_notebook
+from gpumigrate.rewriter.prepare import prepare
 
 
 def process_path(path: str, passes: Sequence["Pass"], options: Optional[dict] = None,
@@ -59,14 +60,18 @@ def process_passes(source: bytes, path: str, passes: Sequence[Pass], options: Op
     the first round, and the fixes (and new review items) of later rounds."""
     engine = process_notebook if is_notebook(path) else process
     reuse: Dict[Any, Any] = {}  # a pass over the bytes the pass before left unchanged reuses their parse
+    try:
+        start, prepared = prepare(source, path, options)  # --py2, --reformat-notebooks
+    except UserError as exc:
+        return FileResult(path=path, source=source, error=str(exc))
 
     def one(text: bytes, rules: Sequence[type], fix: Sequence[str]) -> FileResult:
         return run_deep(engine, text, path, rules, fix=fix, names_factory=ImportTable, options=options,
                         repairs=repairs, reuse=reuse)
 
-    if len(passes) == 1 and not passes[0][1]:  # lint: nothing changes, one run
+    if len(passes) == 1 and not passes[0][1] and start is source:  # lint: nothing changes, one run
         return one(source, *passes[0])
-    current, findings, known = source, [], set()
+    current, findings, known = start, [], set()
     settled: Dict[int, bytes] = {}  # pass -> the text it last left unchanged: run again, it would again
     for round_ in range(MAX_ROUNDS):
         changed = False
@@ -90,7 +95,8 @@ def process_passes(source: bytes, path: str, passes: Sequence[Pass], options: Op
                 settled[number] = current
         if not changed:
             out = FileResult(path=path, source=source, findings=findings)
-            out.new_source = current if current != source else None
+            if current != start and current != source:  # a conversion stays only under the migration's edits
+                out.new_source, out.prepared = current, prepared
             return out
     return FileResult(path=path, source=source, error=f"{path}:1: fixes dropped: the rewrite kept changing after "
                                                         f"{MAX_ROUNDS} rounds (please report it); file left unchanged")
