@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import tokenize
+from functools import lru_cache
 from typing import Any, List, Optional, Set, Tuple
 
 from gpumigrate.rewriter.engine import UserError, _compile_error, _is_python2, _line
@@ -52,7 +53,6 @@ def converted(source: bytes, path: str) -> Optional[Tuple[bytes, str]]:
     if err is None:
         return None
     require()
-    from fissix import refactor
     from fissix.pgen2.parse import ParseError
     from fissix.pgen2.tokenize import TokenError
 
@@ -63,11 +63,8 @@ def converted(source: bytes, path: str) -> Optional[Tuple[bytes, str]]:
         return None  # the engine's reading of the file says what is wrong
     bom = text.startswith("\ufeff")
     body = text[1:] if bom else text
-    names = [n for n in refactor.get_fixers_from_package("fissix.fixes") if n.rsplit(".fix_", 1)[1] not in SKIPPED]
-    tool = refactor.RefactoringTool(names)
-    used: Set[str] = set()
-    for fixer in tool.pre_order + tool.post_order:
-        _record(fixer, used)
+    tool, used = _tool()
+    used.clear()
     try:
         tree = tool.refactor_string(body if body.endswith("\n") else body + "\n", path)
     except (ParseError, TokenError, IndentationError, SyntaxError) as exc:
@@ -95,6 +92,20 @@ def converted(source: bytes, path: str) -> Optional[Tuple[bytes, str]]:
         note += f"; `/` left as it is: on two integers it now gives a float (check original " \
                 f"line{'s' if len(divides) > 1 else ''} {shown})"
     return out, note
+
+
+@lru_cache(maxsize=1)
+def _tool() -> Tuple[Any, Set[str]]:
+    """The refactoring tool (compiling the fixers' patterns costs ~0.3 s: once per process)
+    and the set its fixers record their names in."""
+    from fissix import refactor
+
+    names = [n for n in refactor.get_fixers_from_package("fissix.fixes") if n.rsplit(".fix_", 1)[1] not in SKIPPED]
+    tool = refactor.RefactoringTool(names)
+    used: Set[str] = set()
+    for fixer in tool.pre_order + tool.post_order:
+        _record(fixer, used)
+    return tool, used
 
 
 def _record(fixer: Any, used: Set[str]) -> None:
