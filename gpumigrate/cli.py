@@ -507,7 +507,9 @@ def _check_config_codes(config: Config) -> None:
                ("[tool.gpumigrate.lint] select", config.lint_select or []),
                ("[tool.gpumigrate.lint] ignore", config.lint_ignore),
                ("[tool.gpumigrate.lint] extend-select", config.lint_extend_select),
-               *((f"[tool.gpumigrate.per-file-ignores] {k!r}", v) for k, v in config.per_file_ignores.items())]
+               *((f"[tool.gpumigrate.per-file-ignores] {k!r}", v) for k, v in config.per_file_ignores.items()),
+               *((f"[tool.gpumigrate.lint.per-file-ignores] {k!r}", v)
+                 for k, v in config.lint_per_file_ignores.items())]
     for name, values in entries:
         try:
             _codes(values)
@@ -588,7 +590,7 @@ class _Selection:
     def for_file(self, path: str, among: Optional[Sequence[type]] = None) -> List[type]:
         """The selected rules for `path` (per-file-ignores applied), within `among`."""
         rules = self.rules
-        extra = _codes(self.config.ignored_for(path)) if self.config.per_file_ignores else []
+        extra = _codes(self.config.ignored_for(path, lint=self.lint))
         if extra:
             rules = self._select(self.chosen, [*self.ignored, *extra], lint=self.lint)
         return rules if among is None else [r for r in among if r in rules]

@@ -15,6 +15,8 @@
     select = ["GM3"]               # replaces the top-level select for `lint`
     ignore = ["GM304"]             # added to the top-level ignore for `lint`
     extend-select = ["GM101"]      # added to whichever select applies
+    [tool.gpumigrate.lint.per-file-ignores]
+    "tests/*.py" = ["GM3"]         # added to the top-level per-file-ignores for `lint`
 
 `gpumigrate lint --config FILE` reads FILE instead (a pyproject.toml's [tool.gpumigrate], or
 a gpumigrate.toml holding those settings at its top level); `--isolated` reads none.
@@ -61,6 +63,7 @@ class Config:
     lint_select: Optional[List[str]] = None
     lint_ignore: List[str] = field(default_factory=list)
     lint_extend_select: List[str] = field(default_factory=list)
+    lint_per_file_ignores: Dict[str, List[str]] = field(default_factory=dict)
     max_file_size: int = DEFAULT_MAX_FILE_SIZE
     file_timeout: float = DEFAULT_FILE_TIMEOUT
 
@@ -75,16 +78,18 @@ class Config:
                 raise ConfigError(f"{self.path}: [tool.gpumigrate] exclude: {exc}") from None
         return spec.add(Path.cwd(), list(extra))
 
-    def ignored_for(self, file: str) -> List[str]:
-        """Codes ignored for `file` by per-file-ignores (globs relative to the config)."""
-        if not self.per_file_ignores:
+    def ignored_for(self, file: str, lint: bool = False) -> List[str]:
+        """Codes ignored for `file` by per-file-ignores (globs relative to the config); `lint`:
+        [tool.gpumigrate.lint]'s too."""
+        tables = [self.per_file_ignores, *([self.lint_per_file_ignores] if lint else [])]
+        if not any(tables):
             return []
         base = self.path.parent if self.path else Path.cwd()
         try:
             rel = Path(os.path.abspath(file)).relative_to(base.resolve()).as_posix()
         except ValueError:
             rel = Path(file).as_posix()
-        return [code for pattern, codes in self.per_file_ignores.items()
+        return [code for table in tables for pattern, codes in table.items()
                 if fnmatch.fnmatch(rel, pattern) or fnmatch.fnmatch(Path(rel).name, pattern) for code in codes]
 
 
@@ -198,7 +203,10 @@ def load_config(paths: Sequence[str], config_file: Optional[str] = None, isolate
     lint = table.get("lint", {})
     if not isinstance(lint, dict):
         raise ConfigError(f"{path}: [tool.gpumigrate] lint must be a table")
-    unknown = sorted(set(lint) - {"select", "ignore", "extend-select"})
+    lint_per_file = lint.get("per-file-ignores", {})
+    if not isinstance(lint_per_file, dict):
+        raise ConfigError(f"{path}: [tool.gpumigrate.lint] per-file-ignores must be a table")
+    unknown = sorted(set(lint) - {"select", "ignore", "extend-select", "per-file-ignores"})
     if unknown:
         raise ConfigError(f"{path}: unknown [tool.gpumigrate.lint] setting {unknown[0]!r}")
     per_file = table.get("per-file-ignores", {})
@@ -233,6 +241,8 @@ def load_config(paths: Sequence[str], config_file: Optional[str] = None, isolate
         lint_select=_strings(lint, "select", path, "[tool.gpumigrate.lint] select") if "select" in lint else None,
         lint_ignore=_strings(lint, "ignore", path, "[tool.gpumigrate.lint] ignore"),
         lint_extend_select=_strings(lint, "extend-select", path, "[tool.gpumigrate.lint] extend-select"),
+        lint_per_file_ignores={k: _strings(lint_per_file, k, path, f"[tool.gpumigrate.lint.per-file-ignores] {k!r}")
+                               for k in lint_per_file},
     )
     config.exclude_spec()  # its patterns are read now: a bad one stops every command before any file
     return config

@@ -527,3 +527,13 @@ def test_json_reports_the_findings_text_does_and_fixes_stdin_too(tmp_path):
     piped = json.loads(run("lint", "-", "--stdin-filename", "t.py", "--format", "json", input=GUARDED).stdout)
     assert [(r["line"], r["code"]) for r in piped] == [(r["line"], r["code"]) for r in rows]
     assert [r["fix"] for r in piped] == [r["fix"] for r in rows]
+
+
+def test_the_lint_table_has_per_file_ignores_too(tmp_path, script):
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint.per-file-ignores]\n"train.py" = ["cuda-call"]\n')
+    out = lint(script).stdout
+    assert "GM101" not in out and "GM301" in out
+    assert ".to(device)" in run(script, "--diff").stdout  # migrations do not read it
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint.per-file-ignores]\n"train.py" = ["GM9"]\n')
+    bad = run("lint", script)
+    assert bad.exit_code == 2 and "[tool.gpumigrate.lint.per-file-ignores] 'train.py'" in bad.output
