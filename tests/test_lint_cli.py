@@ -537,3 +537,31 @@ def test_the_lint_table_has_per_file_ignores_too(tmp_path, script):
     (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint.per-file-ignores]\n"train.py" = ["GM9"]\n')
     bad = run("lint", script)
     assert bad.exit_code == 2 and "[tool.gpumigrate.lint.per-file-ignores] 'train.py'" in bad.output
+
+
+def test_a_ddp_migrated_script_is_under_ddp(tmp_path):
+    # `wrap_model` is DDP under torchrun: a custom attribute read through it raises there, and
+    # its state_dict keys differ between `python` and `torchrun` runs.
+    path = tmp_path / "migrated.py"
+    path.write_text("import torch\nfrom gpumigrate.runtime import unwrap_model, wrap_model\n"
+                    "model = wrap_model(Net())\nh = model.init_hidden(4)\n"
+                    "torch.save(model.state_dict(), 'ckpt.pt')\ng = unwrap_model(model).init_hidden(4)\n")
+    out = lint(path).stdout
+    assert codes_at(out) == [(4, "GM409"), (5, "GM409")], out
+    assert "raises AttributeError under DDP" in out
+
+
+def test_uses_above_the_wrap_in_the_same_function_are_the_plain_model(tmp_path):
+    path = tmp_path / "migrated.py"
+    path.write_text("import torch\nfrom gpumigrate.runtime import wrap_model\n"
+                    "def main():\n    model = Net()\n    model.init_weights()\n"
+                    "    model.load_state_dict(torch.load('ckpt.pt', map_location='cpu'))\n"
+                    "    model = wrap_model(model)\n    model.init_hidden(4)\n")
+    assert codes_at(lint(path).stdout) == [(8, "GM409")]
+    # a function called only above the wrap gets the plain model too; one called below, the wrapper
+    path.write_text("import torch\nfrom gpumigrate.runtime import wrap_model\n"
+                    "def resume(model):\n    model.load_state_dict(torch.load('ckpt.pt', map_location='cpu'))\n"
+                    "def report(model):\n    print(model.fc)\n"
+                    "def main():\n    model = Net()\n    resume(model)\n    model = wrap_model(model)\n"
+                    "    report(model)\n")
+    assert codes_at(lint(path).stdout) == [(6, "GM409")]

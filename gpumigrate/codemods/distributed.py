@@ -10,7 +10,7 @@ is unknown the plan takes the safe form and GM400 reports it for review.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
@@ -1143,7 +1143,8 @@ class WrappedAttribute(Rule):
     `nn.DataParallel` forwards no custom attribute either, so lint reports those through it
     as they are. The `module.` keys of a DataParallel model's `state_dict` are right as long
     as the script keeps DataParallel: they are in the ddp migration's report, and in lint
-    only with `--select GM409`. Under DDP they are reported.
+    only with `--select GM409`. Under DDP they are reported, and a ddp-migrated script's
+    `wrap_model(model)` is DDP under torchrun: an attribute added to it later is reported.
     """
 
     code = "GM409"
@@ -1152,12 +1153,14 @@ class WrappedAttribute(Rule):
     message = "custom attribute of a DataParallel/DDP-wrapped model raises `AttributeError`; use `unwrap_model(model)`"
     migration_notes = "`module.` keys of a DataParallel model's state_dict"
     fixed_in = frozenset({"ddp"})
-    triggers = ("parameters", "DistributedDataParallel", "DataParallel")
+    triggers = ("parameters", "DistributedDataParallel", "DataParallel", "wrap_model")
 
-    # a name assigned from a call qualified as torch.nn's DataParallel or DistributedDataParallel
+    # a name assigned from a call qualified as torch.nn's DataParallel or DistributedDataParallel,
+    # or the runtime's wrap_model (a ddp-migrated script: DDP under torchrun)
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return {"torch", "nn"} <= facts.ids and facts.any_id("DataParallel", "DistributedDataParallel")
+        return {"torch", "nn"} <= facts.ids and facts.any_id("DataParallel", "DistributedDataParallel") \
+            or facts.any_id("wrap_model")
 
     examples = (
         Flagged(
@@ -1171,6 +1174,7 @@ class WrappedAttribute(Rule):
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = ddp_plan(self.ctx)
         self.data_parallel: Set[str] = set()  # names only ever bound to an `nn.DataParallel` wrapper
+        self.scopes: List[Tuple[Set[str], Set[str]]] = []
         if self.fixing and "GM400" in self.ctx.fixing:  # --to ddp wraps the models (not `lint --fix`)
             self.wrapped = self.plan.wrapped_reference
             return
@@ -1178,10 +1182,52 @@ class WrappedAttribute(Rule):
         kinds: Dict[str, Set[bool]] = {}
         for a in name_assigns(node):
             qualified = self.qualify(a.value.func) if type(a.value) is cst.Call else None
-            if qualified in wrappers:
+            if qualified in wrappers or runtime_helper(qualified) == "wrap_model":
                 kinds.setdefault(a.targets[0].target.value, set()).add(qualified in DATA_PARALLEL)
         self.data_parallel = {name for name, dp in kinds.items() if dp == {True}}
-        self.wrapped = lambda ref: isinstance(ref, cst.Name) and ref.value in kinds
+        self.wrap_assigns = {id(a): a.targets[0].target.value for a in name_assigns(node)
+                             if a.targets[0].target.value in kinds and type(a.value) is cst.Call
+                             and (self.qualify(a.value.func) in wrappers
+                                  or runtime_helper(self.qualify(a.value.func)) == "wrap_model")}
+        in_functions = {id(a) for fn in m.findall(node, m.FunctionDef()) for a in m.findall(fn, m.Assign())}
+        # per scope (the module, then each function entered): the names it wraps, those wrapped so far
+        self.scopes = [({n for i, n in self.wrap_assigns.items() if i not in in_functions}, set())]
+        self.wrapped = lambda ref: isinstance(ref, cst.Name) and ref.value in kinds and not self._before_wrap(ref)
+
+    def _before_wrap(self, ref: cst.Name) -> bool:
+        """`model.init_weights()` above `model = wrap_model(model)` in the same function: the
+        plain model, whatever the name holds later (lint; --to ddp asks the plan)."""
+        if not getattr(self, "scopes", None):
+            return False
+        wraps, done = self.scopes[-1]
+        if ref.value in wraps:
+            return ref.value not in done
+        if len(self.scopes) == 1:
+            return False
+        # `resume(model, path)` called only above the wraps of the functions calling it
+        s = script_model(self.ctx).s
+        fn = s.function(ref)
+        if fn is None or not fn.callers:
+            return False
+        assigns = [a for a in name_assigns(self.ctx.module) if id(a) in self.wrap_assigns]
+        return all(any(s.scope(a) is s.scope(call) and s.order(a) > s.order(call) for a in assigns)
+                   and not any(s.scope(a) is s.scope(call) and s.order(a) < s.order(call) for a in assigns)
+                   for call in fn.callers)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        if getattr(self, "scopes", None):
+            here = {self.wrap_assigns[id(a)] for a in m.findall(node, m.Assign()) if id(a) in self.wrap_assigns}
+            self.scopes.append((here, set()))
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
+        if getattr(self, "scopes", None) and len(self.scopes) > 1:
+            self.scopes.pop()
+        return None
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
+        if getattr(self, "scopes", None) and id(original) in self.wrap_assigns:
+            self.scopes[-1][1].add(self.wrap_assigns[id(original)])
+        return None
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         attr = original.attr.value
