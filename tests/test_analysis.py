@@ -215,6 +215,7 @@ def test_a_recursive_function_unpacked_from_its_own_call_is_no_new_fact():
     assert model.kind(expr(model, "net")) == v.MODULE
 
 
+@pytest.mark.slow
 def test_scopes_found_on_demand_are_the_scans():
     """The structure scan steps only on what opens a scope, calls, returns and binds; any
     other node's scope is found on demand, walking up to the nearest def, class or lambda.
@@ -247,3 +248,35 @@ def test_scopes_found_on_demand_are_the_scans():
                 stack.append((s.scopes[id(node)], index.end[id(node)]))
             compared += 1
     assert compared > 40_000
+
+
+def test_a_name_bound_in_both_branches_reaches_code_that_runs_later():
+    """`if c: x = A` / `else: x = B`: a function called afterwards may see either."""
+    model = model_of("""\
+        import sys
+        if sys.argv:
+            loader = make_a()
+        else:
+            loader = make_b()
+        loader = loader if True else None
+        def f():
+            return loader
+        if sys.argv:
+            other = make_a()
+        else:
+            other = make_b()
+        def g():
+            return other
+        x = 1
+        x = 2
+        def h():
+            return x
+    """)
+    s = model.s
+    scope_of = lambda name: s.scope(next(f.node for f in s.functions.values() if f.node.name.value == name))
+    _, seen = s.lookup("other", scope_of("g"))
+    assert [b.value.func.value for b in seen] == ["make_a", "make_b"]
+    _, seen = s.lookup("loader", scope_of("f"))
+    assert len(seen) == 1  # the unconditional rebinding hides both branches
+    _, seen = s.lookup("x", scope_of("h"))
+    assert [b.value.value for b in seen] == ["2"]

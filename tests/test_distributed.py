@@ -542,3 +542,31 @@ def test_phases_trained_under_another_test_are_left_whole():
                                       "                    loss.backward()\n                    opt.step()\n"))
     assert "shard_loader" not in out
     assert any("does not come from a DataLoader" in r for r in reviews), reviews
+
+
+BRANCHED_EVAL = """\
+import sys
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if sys.argv[-1] == "small":
+    test_loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+else:
+    test_set = TensorDataset(torch.randn(12, 4), torch.randn(12, 1))
+    test_loader = DataLoader(test_set, batch_size=4)
+
+def test():
+    total = 0.0
+    with torch.no_grad():
+        for x, y in test_loader:
+            total += torch.nn.functional.mse_loss(model(x), y, reduction="sum").item()
+    print(total / len(test_loader.dataset))
+""" + TRAIN + "    test()\n"
+
+
+def test_an_evaluation_loader_bound_in_two_branches_is_sharded_in_both_or_neither():
+    """Field: network-slimming binds `test_loader` in an if/else; only the else branch's loader
+    was sharded, while the loop's sums were reduced on both paths: the if path doubled them."""
+    out, _ = ddp(BRANCHED_EVAL)
+    small, large = out.split("else:")[0].split("if sys.argv")[1], out.split("else:")[1].split("def test")[0]
+    assert "reduce_sum(total)" in out
+    assert "distributed_sampler(" in small and "distributed_sampler(" in large

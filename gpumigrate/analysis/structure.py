@@ -96,6 +96,8 @@ def target_names(target: cst.CSTNode) -> List[str]:
 
 
 _STATEMENTS = (cst.BaseSmallStatement, cst.BaseCompoundStatement)
+# where a body may not run: a branch, a loop, a handler (an Else is itself the body holder)
+_BRANCHES = (cst.If, cst.Else, cst.For, cst.While, cst.Try, cst.ExceptHandler, cst.MatchCase)
 
 
 def _types(kinds) -> frozenset:
@@ -383,10 +385,29 @@ class Structure:
                     # `total += x` extends the binding before it: keep the whole chain
                     start = max((k for k, b in enumerate(before) if b.how != "aug"), default=0)
                     return current, before[start:]
-                return current, [last]
+                # A binding in a branch or loop body that `at` is not in may not have run
+                # (`if cifar10: loader = A` / `else: loader = B`): the ones before it reach too.
+                reaching = len(before) - 1
+                while reaching > 0 and self._may_skip(before[reaching], at):
+                    reaching -= 1
+                return current, before[reaching:]
             current = current.parent
             at = NEVER  # an enclosing scope's names: as they are when the inner code runs
         return None, []
+
+    def _may_skip(self, binding: Binding, at: float) -> bool:
+        """Can code at position `at` be reached without `binding` having run? True where the
+        binding sits in a branch or loop body (within its scope) that does not hold `at`."""
+        stop = binding.scope.node
+        for node in self.ancestors(binding.stmt):
+            if node is stop:
+                return False
+            if isinstance(node, (cst.IndentedBlock, cst.Else)) and isinstance(
+                    self.index.parent.get(id(node)) if isinstance(node, cst.IndentedBlock) else node, _BRANCHES):
+                start = self.index.start.get(id(node), -1)
+                if not start <= at < self.index.end[id(node)]:
+                    return True
+        return False
 
     def all_bindings(self, name: str, scope: Scope) -> List[Binding]:
         found, _ = self.lookup(name, scope)
