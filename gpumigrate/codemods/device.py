@@ -65,7 +65,7 @@ class CudaCall(Rule):
 
     ## Use instead
     ```python
-    device = get_device()  # from gpumigrate.runtime: CUDA, then MPS, then CPU
+    device = get_device()  # from gpumigrate.runtime: the accelerator (CUDA, MPS, XPU...), else the CPU
     model = Net().to(device)
     data = data.to(device, non_blocking=True)
     ```
@@ -279,7 +279,7 @@ class HardcodedDevice(Rule):
 
     ## Use instead
     ```python
-    device = get_device()  # CUDA (LOCAL_RANK's GPU under torchrun), then MPS, then CPU
+    device = get_device()  # the accelerator (LOCAL_RANK's under torchrun: CUDA, MPS, XPU...), else the CPU
     model.to(device)
     ```
     A `--no-cuda` flag keeps its meaning: the device becomes
