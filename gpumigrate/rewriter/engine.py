@@ -358,6 +358,7 @@ class FileContext:
         self._found: Dict[int, _Found] = {}  # id(matcher) -> what `find` knows of it
         self.ancestors: List[cst.CSTNode] = []  # kept by the traversal: outermost first
         self._removed: Dict[int, cst.CSTNode] = {}
+        self._emptied: Dict[int, cst.CSTNode] = {}  # `pass` standing for a block all of whose statements went
         self._index: Optional[NodeIndex] = None
         self._tree_facts: Dict[Any, Any] = {}  # shared(..., tree=True)
         # original statement of a block -> what the traversal made of it (a node, several, none)
@@ -552,21 +553,30 @@ class FileContext:
         self._removed[id(placeholder)] = placeholder  # held, so that its id is never reused
         return placeholder
 
-    def drop_removed(self, body: Sequence[cst.BaseStatement]) -> Optional[List[cst.BaseStatement]]:
+    def drop_removed(self, body: Sequence[cst.BaseStatement],
+                     trailing: Optional[List[cst.EmptyLine]] = None) -> Optional[List[cst.BaseStatement]]:
+        """The block without its removed statements. Their comments move to the next
+        statement; the blank lines around a removed one count once (one blank line above
+        it and one below leave one, as before it was written); the comments of removed
+        last statements go to `trailing` (for the block's footer)."""
         if not self._removed or not any(id(s) in self._removed for s in body):
             return None
         out: List[cst.BaseStatement] = []
         carried: List[cst.EmptyLine] = []
         for stmt in body:
             if id(stmt) in self._removed:
-                carried.extend(stmt.leading_lines)
+                carried = _joined(carried, list(stmt.leading_lines))
                 continue
             if carried:
-                stmt = stmt.with_changes(leading_lines=[*carried, *stmt.leading_lines])
+                stmt = stmt.with_changes(leading_lines=_joined(carried, list(stmt.leading_lines)))
                 carried = []
             out.append(stmt)
         if not out:
-            out.append(cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=carried))
+            emptied = cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=carried)
+            self._emptied[id(emptied)] = emptied
+            out.append(emptied)
+        elif trailing is not None:
+            trailing.extend(e for e in carried if e.comment is not None)
         return out
 
     def rewritten(self, original: cst.CSTNode) -> List[cst.CSTNode]:
@@ -737,14 +747,61 @@ class _Dispatch(cst.CSTTransformer):
             if not isinstance(current, type(original)):
                 break  # replaced by another kind of node, or removed
         result = chain.resolve() if chain is not None else current
+        if isinstance(result, cst.If) and not (self.ctx.ancestors and isinstance(self.ctx.ancestors[-1], cst.If)):
+            result = self._settle_if(original, result)  # (not an `elif`: it cannot go as a statement does)
         if isinstance(original, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             self.ctx._results[id(original)] = (list(result.nodes) if isinstance(result, cst.FlattenSentinel)
                                                else [] if isinstance(result, cst.RemovalSentinel) else [result])
         if isinstance(result, (cst.IndentedBlock, cst.Module)):
-            body = self.ctx.drop_removed(result.body)
-            if body is not None:
-                result = result.with_changes(body=body)
+            trailing: List[cst.EmptyLine] = []
+            body = self.ctx.drop_removed(result.body, trailing)
+            if body is not None:  # the comments of removed last statements stay, at the block's end
+                result = result.with_changes(body=body, footer=[*trailing, *result.footer])
         return result
+
+    def _settle_if(self, original: cst.If, node: cst.If) -> Any:
+        """An `else:` (or a whole `if` with a test that only reads names) all of whose
+        statements the rules removed goes, rather than staying as `else: pass`; a comment
+        there keeps it. The fixes that emptied it are reported over all of it."""
+        def emptied(suite: cst.BaseSuite) -> bool:
+            return isinstance(suite, cst.IndentedBlock) and len(suite.body) == 1 and \
+                id(suite.body[0]) in self.ctx._emptied and not suite.footer and \
+                suite.header.comment is None and not any(e.comment for e in suite.body[0].leading_lines)
+
+        if isinstance(node.orelse, cst.Else) and emptied(node.orelse.body) and not any(
+                e.comment for e in node.orelse.leading_lines):
+            node = node.with_changes(orelse=None)
+            self._widen(original.orelse)
+        if node.orelse is None and emptied(node.body) and not _may_act(node.test):
+            self._widen(original)
+            return self.ctx.remove_statement(node)
+        return node
+
+    def _widen(self, part: cst.CSTNode) -> None:
+        """The fixes reported inside `part` (an original block now gone whole) cover it."""
+        inside: Set[int] = set()
+        stack = [part]
+        while stack:
+            n = stack.pop()
+            inside.add(id(n))
+            stack.extend(n.children)
+        for rep in self.ctx.reports:
+            if rep.fixed and rep.node is not None and id(rep.node) in inside:
+                rep.node, rep.through = part, None
+
+
+def _joined(above: List[cst.EmptyLine], below: List[cst.EmptyLine]) -> List[cst.EmptyLine]:
+    """Lines above a removed statement, then those below it: the blank run where they meet
+    counts once (the longer of the two)."""
+    tail = next((i for i, e in enumerate(reversed(above)) if e.comment is not None), len(above))
+    head = next((i for i, e in enumerate(below) if e.comment is not None), len(below))
+    blanks = above[len(above) - tail:] if tail >= head else below[:head]
+    return [*above[:len(above) - tail], *blanks, *below[head:]]
+
+
+def _may_act(test: cst.BaseExpression) -> bool:
+    """Could evaluating this test do something (a call, an await, an assignment)?"""
+    return bool(m.findall(test, m.Call() | m.Await() | m.NamedExpr() | m.Yield()))
 
 
 def _decode(source: bytes, path: str) -> str:
