@@ -58,9 +58,11 @@ def test_flag_out_of_reach_keeps_guards():
             if use_cuda:
                 model.cuda()
         """)
-    assert "from gpumigrate.runtime import get_device\n\ndevice = get_device()\n" in out
+    assert "from gpumigrate.runtime import accelerator_available, get_device\n\ndevice = get_device()\n" in out
     assert "    if use_cuda:\n        x = x.to(device)\n" in out
     assert "    if use_cuda:\n        model.to(device)\n" in out
+    # the guards and the device agree: both mean an accelerator (MPS on a Mac), unless --no-cuda
+    assert "    use_cuda = not args.no_cuda and accelerator_available()\n" in out
 
 
 def test_existing_name_device_is_not_clobbered():
@@ -301,6 +303,39 @@ def test_no_cuda_flag_asks_for_any_accelerator():
     assert "args.cuda = not args.no_cuda and accelerator_available()\n" in out
     assert 'device = get_device() if args.cuda else torch.device("cpu")\n' in out
     assert "from gpumigrate.runtime import accelerator_available, get_device\n" in out
+
+
+def test_a_flag_choosing_map_location_stays_cuda_only_and_is_reported():
+    """`map_location=None if use_cuda else 'cpu'`: None restores onto the saving GPU, CUDA."""
+    source = """\
+        import torch
+        use_cuda = torch.cuda.is_available() and not args.no_cuda
+        model = torch.nn.Linear(2, 2)
+        if use_cuda:
+            model.cuda()
+        state = torch.load('m.pt', map_location=None if use_cuda else 'cpu')
+        """
+    out = fix(source)
+    assert "use_cuda = torch.cuda.is_available() and not args.no_cuda\n" in out
+    reviews = [f for f in findings(source) if f.review]
+    assert [(f.code, f.line) for f in reviews] == [("GM103", 2)] and "map_location" in reviews[0].message
+
+
+def test_a_flag_guarding_a_move_agrees_with_the_device():
+    """The script's device asks only for CUDA (`get_device()` now), its `if args.cuda:`
+    guards `.cuda()`: the flag asks for any accelerator too, or on a Mac the model would stay
+    on the CPU while the data goes to MPS."""
+    out = fix("""\
+        import torch
+        args.cuda = not args.no_cuda and torch.cuda.is_available()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = torch.nn.Linear(2, 2)
+        if args.cuda:
+            model.cuda()
+        x = torch.ones(1).to(device)
+        """)
+    assert "args.cuda = not args.no_cuda and accelerator_available()\n" in out
+    assert "device = get_device()\n" in out
 
 
 def test_a_flag_guarding_cuda_only_calls_stays_cuda_only_and_is_reported():

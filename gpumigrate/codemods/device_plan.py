@@ -289,8 +289,11 @@ def _build(ctx: FileContext) -> DevicePlan:
     # the flags the script's own choice of device reads: `"cuda" if args.cuda else "cpu"`
     chosen_by = {ctx.module.code_for_node(n) for d in scanner.defs if d.choice is not None
                  and not plan.availability_only(d.choice.test) for n in _operands(d.choice.test)}
+    s = script_model(ctx).s
+    # ... and those that guard a `.cuda()` that becomes `.to(device)`: device and guard must agree
+    chosen = [f for f in flags if f.code in chosen_by or not f.only_availability and _moves_under(ctx, s, f)]
     if plan.name is not None or not needing:
-        _accelerator_flags(plan, [f for f in flags if f.code in chosen_by])
+        _accelerator_flags(plan, chosen)
         return plan
     plan.name = fresh_name(ctx, "device")
     user_flags = [f for f in flags if not f.only_availability]
@@ -302,7 +305,7 @@ def _build(ctx: FileContext) -> DevicePlan:
     else:
         plan.define_at_top = True
         plan.ignored_flag = flag
-    _accelerator_flags(plan, [f for f in flags if f.code in chosen_by or f is plan.flag])
+    _accelerator_flags(plan, chosen + [f for f in [plan.flag] if f is not None and all(f is not c for c in chosen)])
     return plan
 
 
@@ -333,21 +336,40 @@ def _accelerator_flags(plan: DevicePlan, flags: List[Flag]) -> None:
         calls = [leaf for leaf in leaves if isinstance(leaf, cst.Call)]
         cuda_only = _cuda_only_under(plan.ctx, s, flag)
         if cuda_only is not None:
+            what = "a `map_location` is chosen by it" if cuda_only == "map_location" else \
+                f"`{cuda_only}` runs under it and needs CUDA"
             plan.kept_flags += [(c, f"`{flag.code}` keeps asking for CUDA only (`torch.cuda.is_available()`): "
-                                    f"`{cuda_only}` runs under it and needs CUDA; on a Mac or another "
-                                    "accelerator the script stays on the CPU") for c in calls]
+                                    f"{what}; on a Mac or another accelerator the script stays on the CPU")
+                                for c in calls]
             continue
         plan.accelerator_calls.update(id(c) for c in calls)
 
 
-def _cuda_only_under(ctx: FileContext, s, flag: Flag) -> Optional[str]:
-    """A `torch.cuda.*` call that needs CUDA, in an `if`/`... if ... else` that tests `flag`."""
+def _guarded_by(ctx: FileContext, s, flag: Flag) -> List[Union[cst.If, cst.IfExp]]:
+    """The `if`s and `... if ... else`s that test `flag`."""
     render = ctx.module.code_for_node
-    for node in [*s.index.of(cst.If), *s.index.of(cst.IfExp)]:
-        if any(render(n) == flag.code for n in _operands(node.test)):
-            found = _cuda_only_in(ctx, s, node)
-            if found is not None:
-                return found
+    return [node for node in [*s.index.of(cst.If), *s.index.of(cst.IfExp)]
+            if any(render(n) == flag.code for n in _operands(node.test))]
+
+
+def _moves_under(ctx: FileContext, s, flag: Flag) -> bool:
+    """Does `flag` guard a `.cuda()` or a CUDA tensor type (a move the device rules fix)?"""
+    return any(is_method_call(n, "cuda") or (isinstance(n, cst.Attribute) and cuda_type_dtype(ctx.names.qualify(n)))
+               for node in _guarded_by(ctx, s, flag) for n in s.index.subtree(node))
+
+
+def _cuda_only_under(ctx: FileContext, s, flag: Flag) -> Optional[str]:
+    """A `torch.cuda.*` call that needs CUDA, or a `map_location` chosen (None on the GPU
+    meant "where it was saved": CUDA), in an `if`/`... if ... else` that tests `flag`."""
+    for node in _guarded_by(ctx, s, flag):
+        found = _cuda_only_in(ctx, s, node)
+        if found is not None:
+            return found
+        parent = s.parent(node)
+        if isinstance(parent, cst.Arg) and parent.keyword is not None and parent.keyword.value == "map_location" \
+                or any(isinstance(n, cst.Arg) and n.keyword is not None and n.keyword.value == "map_location"
+                       for n in s.index.subtree(node)):
+            return "map_location"
     return None
 
 
