@@ -570,3 +570,31 @@ def test_an_evaluation_loader_bound_in_two_branches_is_sharded_in_both_or_neithe
     small, large = out.split("else:")[0].split("if sys.argv")[1], out.split("else:")[1].split("def test")[0]
     assert "reduce_sum(total)" in out
     assert "distributed_sampler(" in small and "distributed_sampler(" in large
+
+
+COUNTED_EVAL = """\
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+test_loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+def test():
+    total = 0.0
+    with torch.no_grad():
+        for i, (x, y) in enumerate(test_loader):
+            total += torch.nn.functional.mse_loss(model(x), y).item()
+    print(AVERAGE)
+""" + TRAIN + "    test()\n"
+
+
+@pytest.mark.parametrize("average, count", [
+    ("total / (i + 1)", "i"),  # field: the PyTorch tutorial's `running_vloss / (i + 1)`
+    ("total / len(test_loader)", "len(test_loader)"),
+    ("total / len(test_loader.dataset)", None),  # the whole set's size: sharded and reduced
+])
+def test_a_sum_divided_by_a_per_rank_batch_count_keeps_evaluation_whole(average, count):
+    """Reduced over ranks and divided by this rank's number of batches, a mean is N times too
+    large: such an evaluation is kept whole (correct, not faster), and says why."""
+    out, reviews = ddp(COUNTED_EVAL.replace("AVERAGE", average))
+    sharded = count is None
+    assert ("distributed_sampler(test" in out) == sharded and ("reduce_sum(total)" in out) == sharded
+    if not sharded:
+        assert any(f"`{count}` after the loop counts this rank's batches only" in r for r in reviews), reviews

@@ -449,8 +449,7 @@ class Sharding:
             return "it is consumed with next(), not a for loop"
         for loop in loops:
             if self.metrics(loop) is None:
-                what = self._blockers.get(id(loop))
-                return f"its loop keeps more than sums (`{what}`)" if what else "its loop keeps more than sums"
+                return self._blockers.get(id(loop)) or "its loop keeps more than sums"
             if not self.uniform(loop):
                 return "not every rank runs its loop equally often"
             if self._calls_wrapped(loop) and not under_no_grad_after_migration(self.ctx, loop):

@@ -56,6 +56,9 @@ class Reductions:
                     not any(_initial_zero(b, self.model.qualify) for b in bindings):
                 return self._blocked(loop, None, f"{name} does not start from a number")
         end = self.s.index.end[id(loop)]
+        counted = self._per_rank_count_after(loop, scope, end)
+        if counted is not None:
+            return self._blocked(loop, None, f"`{counted}` after the loop counts this rank's batches only")
         for name in temporaries - set(accumulators):
             for node in self.s.index.order[end:]:
                 if isinstance(node, cst.Name) and node.value == name and self.s.scope(node) is scope:
@@ -64,10 +67,32 @@ class Reductions:
                         return self._blocked(loop, None, f"{name} is read after the loop")
         return accumulators
 
+    def _per_rank_count_after(self, loop: cst.For, scope, end: int) -> Optional[str]:
+        """A count that a shard makes per rank, read after the loop in its scope: the loop's
+        own variables (`total / (i + 1)`) or `len(loader)` of the loader it iterates. A sum
+        reduced over ranks and divided by one of these is N times too large."""
+        own = set(target_names(loop.target))
+        iterated = loop.iter
+        while isinstance(iterated, cst.Call) and iterated.args:  # enumerate(loader), tqdm(loader)
+            iterated = iterated.args[0].value
+        loader = iterated.value if isinstance(iterated, cst.Name) else None
+        for node in self.s.index.order[end:]:
+            if isinstance(node, cst.Name) and node.value in own and self.s.scope(node) is scope:
+                _, bindings = self.s.lookup(node.value, scope, self.s.order(self.s.statement(node) or node))
+                if any(b.stmt is loop or self.s.index.contains(loop, b.stmt) for b in bindings):
+                    return node.value
+            if loader is not None and isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and \
+                    node.func.value == "len" and len(node.args) == 1 and isinstance(node.args[0].value, cst.Name) \
+                    and node.args[0].value.value == loader and self.s.scope(node) is scope:
+                return f"len({loader})"
+        return None
+
     def _blocked(self, loop: cst.For, node: Optional[cst.CSTNode], text: str = "") -> None:
+        """Record why the loop's sums cannot be reduced: the statement that keeps more than
+        sums (`node`), or a reason (`text`); the review quotes it."""
         if node is not None:
-            text = " ".join(self.ctx.module.code_for_node(node).split())
-            text = text if len(text) <= 50 else text[:47] + "..."
+            code = " ".join(self.ctx.module.code_for_node(node).split())
+            text = f"its loop keeps more than sums (`{code if len(code) <= 50 else code[:47] + '...'}`)"
         self._blockers[id(loop)] = text
         return None
 
