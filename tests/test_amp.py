@@ -357,13 +357,27 @@ def test_a_checkpoint_dict_keeps_the_scaler_wherever_it_is_saved():
     assert 'opt.load_state_dict(ckpt["optimizer"])\nload_scaler_state(scaler, ckpt.get("scaler"))' in out
 
 
-def test_apex_behind_a_flag_goes_and_the_flag_is_listed():
+def test_apex_behind_a_flag_goes_and_the_flag_keeps_its_meaning():
     out, reviews = amp("from apex import amp\nfp16 = True\nif fp16:\n    model, opt = amp.initialize(model, opt)\n"
                        "for x, y in loader:\n    loss = model(x).sum()\n    with amp.scale_loss(loss, opt) as s:\n"
                        "        s.backward()\n    opt.step()\n")
     assert "if fp16" not in out and "amp." not in out
-    assert reviews == ["apex ran only `if fp16:`; mixed precision now always runs: pass `enabled=fp16` to autocast() "
-                       "and grad_scaler() if the flag must keep its meaning"]
+    assert "fp16 = True\nscaler = grad_scaler(enabled=fp16)\n" in out
+    assert "    with autocast(model, enabled=fp16):\n        loss = model(x).sum()\n" in out
+    assert not reviews
+
+
+def test_apex_behind_a_flag_of_a_function_that_does_not_train_is_listed():
+    """The flag is local to a set-up function; the training loop cannot read it."""
+    out, reviews = amp("from apex import amp\ndef setup(model, opt):\n    fp16 = True\n    if fp16:\n"
+                       "        model, opt = amp.initialize(model, opt)\n    return model, opt\n"
+                       "model, opt = setup(model, opt)\n"
+                       "for x, y in loader:\n    loss = model(x).sum()\n    with amp.scale_loss(loss, opt) as s:\n"
+                       "        s.backward()\n    opt.step()\n")
+    assert "enabled=" not in out and "scaler = grad_scaler()" in out
+    assert reviews == ["`if fp16:` switched reduced precision, but `fp16` is local to a function, and the training "
+                       "or its checkpoints reach beyond it: mixed precision now always runs; pass `enabled=fp16` to "
+                       "autocast() and grad_scaler() if the flag must keep its meaning"]
 
 
 # ---------------------------------------------------------------- binary_cross_entropy (issue 18 item 8)
@@ -549,3 +563,171 @@ def test_identical_branches_with_a_call_in_the_test_are_kept():
             opt.step()
         """)
     assert "    if fp16():\n        scaler.scale(loss).backward()\n    else:\n        scaler.scale(loss).backward()\n" in out
+
+
+# ---------------------------------------------------------------- the script's own precision switch (issue 20)
+
+FLAGGED_HALF = """\
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--half", action="store_true")
+    parser.add_argument("--precision", type=int, default=32)
+    args = parser.parse_args(ARGV)
+    if FLAG:
+        model.half()
+    for x, y in loader:
+        if FLAG:
+            x = x.half()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    """
+
+
+@pytest.mark.parametrize("flag, on", [("args.half", ["--half"]), ("args.precision == 16", ["--precision", "16"])])
+def test_a_precision_flag_becomes_enabled_of_autocast_and_the_scaler(flag, on, monkeypatch):
+    out, reviews = amp(FLAGGED_HALF.replace("FLAG", flag))
+    assert not reviews, reviews
+    assert f"args = parser.parse_args(ARGV)\nscaler = grad_scaler(enabled={flag})\n" in out
+    assert f"    with autocast(model, enabled={flag}):\n        loss = ((model(x) - y) ** 2).mean()\n" in out
+    assert "if args" not in out and "pass" not in out and ".half()" not in out
+    monkeypatch.setenv("GPUMIGRATE_AMP", "fp16")  # the runtime's switch is on: the script's decides
+    for argv, enabled in (([], False), (on, True)):
+        seen = []
+        space = {"ARGV": argv}
+        exec(compile(out.replace("        loss = ((model(x) - y) ** 2).mean()\n",
+                                 "        loss = ((model(x) - y) ** 2).mean()\n"
+                                 "        seen.append(torch.is_autocast_enabled(x.device.type))\n"),
+                     "x.py", "exec"), dict(space, seen=seen))
+        assert seen and set(seen) == {enabled}, (argv, seen)  # off: float32, as before
+
+
+def test_a_flag_local_to_the_training_function_gets_its_scaler_there():
+    out, reviews = amp("""\
+        def main(fp16):
+            \"\"\"Train.\"\"\"
+            if fp16:
+                model.half()
+            for x, y in loader:
+                if fp16:
+                    x = x.half()
+                loss = model(x).sum()
+                loss.backward()
+                opt.step()
+        def evaluate(fp16):
+            args = fp16
+        main(False)
+        """)
+    assert not reviews, reviews
+    assert ('def main(fp16):\n    """Train."""\n    scaler = grad_scaler(enabled=fp16)\n    for x, y in loader:\n'
+            "        with autocast(model, enabled=fp16):\n") in out
+    assert out.count("scaler = grad_scaler") == 1
+
+
+def test_flags_that_disagree_keep_mixed_precision_on_and_say_why():
+    out, reviews = amp("""\
+        half, fp16 = False, True
+        if half:
+            model.half()
+        if fp16:
+            model.half()
+        for x, y in loader:
+            model(x).sum().backward()
+            opt.step()
+        """)
+    assert "enabled=" not in out and "scaler = grad_scaler()\n" in out
+    assert reviews == ["`if half:` switched reduced precision, but other tests switched it too (`if fp16:`, "
+                       "`if half:`): mixed precision now always runs; pass `enabled=` to autocast() and grad_scaler() "
+                       "if a flag must keep its meaning"]
+
+
+def test_identical_branches_collapse_and_keep_their_comments():
+    out, reviews = amp("""\
+        from apex import amp
+        fp16 = True
+        if fp16:
+            model, opt = amp.initialize(model, opt)
+        for x, y in loader:
+            loss = model(x).sum()
+            if fp16:
+                # apex scales the loss so that fp16 gradients do not underflow
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()  # plain float32
+            opt.step()
+        """)
+    assert not reviews, reviews
+    assert "if fp16" not in out and "else" not in out and "pass" not in out
+    assert ("    # apex scales the loss so that fp16 gradients do not underflow\n    # plain float32\n"
+            "    scaler.scale(loss).backward()\n    scaler.step(opt)\n") in out
+
+
+def test_an_emptied_if_goes_with_its_comments_kept_and_no_extra_blank_line():
+    out, _ = amp("""\
+        half = False
+
+        if half:
+            # float16 weights: half the memory
+            model.half()
+
+        for x, y in loader:
+            model(x).sum().backward()
+            opt.step()
+        """)
+    assert "if half" not in out and "pass" not in out
+    assert "half = False\nscaler = grad_scaler(enabled=half)\n\n# float16 weights: half the memory\n\nfor x, y in loader:\n" \
+        in out
+
+
+def test_a_removed_block_leaves_one_blank_line_where_there_was_one():
+    out, _ = amp("""\
+        from apex import amp
+        fp16 = True
+
+        if fp16:
+            model, opt = amp.initialize(model, opt)
+
+        for x, y in loader:
+            loss = model(x).sum()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        """)
+    assert "fp16 = True\nscaler = grad_scaler(enabled=fp16)\n\nfor x, y in loader:\n" in out
+
+
+def test_an_else_the_device_pass_emptied_goes():
+    out, _ = amp("""\
+        cuda = False
+        if not cuda:
+            print("training on the CPU")
+        else:
+            torch.cuda.set_device(0)
+        if cuda:
+            torch.cuda.set_device(0)
+        for x, y in loader:
+            model(x).sum().backward()
+            opt.step()
+        """)
+    assert "else" not in out and "pass" not in out and "if cuda" not in out
+    assert 'if not cuda:\n    print("training on the CPU")\nfor x, y in loader:\n' in out
+
+
+def test_a_script_already_on_torch_amp_gets_one_line_saying_so():
+    source = HEAD + textwrap.dedent("""\
+        scaler = torch.amp.GradScaler("cpu")
+        for x, y in loader:
+            with torch.autocast("cpu"):
+                loss = model(x).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        for x, y in loader:
+            with torch.amp.autocast("cpu"):
+                print(model(x).sum())
+        """)
+    result = migrate(source.encode(), "amp")
+    assert result.error is None and result.new_source is None
+    assert [(f.line, f.message, f.review, f.fixed) for f in result.findings] == [
+        (6, "already uses torch.amp autocast/GradScaler: nothing to add", False, False)]

@@ -87,3 +87,32 @@ def test_a_pre_migration_checkpoint_resumes_after_migration(tmp_path):
 
     saved = torch.load(second / "amp_plain_ckpt.pt", weights_only=False)
     assert saved["scaler"]["scale"] > 0
+
+
+# Scripts whose reduced precision sat behind their own flag: migrated, the flag still decides.
+# Without it, the migrated script prints exactly the float32 losses of the original; with it,
+# it runs under autocast (other numbers), and its loss still goes down.
+FLAG_FIXTURES = {"amp_apex_fp16_flag.py": "--fp16", "amp_half_flag.py": "--half"}
+
+
+@pytest.mark.parametrize("name", sorted(FLAG_FIXTURES))
+def test_the_precision_flag_keeps_its_meaning(name, tmp_path):
+    (tmp_path / "original").mkdir()
+    original = _run(FIXTURES / "scripts" / name, tmp_path / "original", [sys.executable], {})
+    assert original.returncode == 0, original.stderr[-2000:]
+    golden = FIXTURES / "expected" / "amp" / name
+    (tmp_path / "off").mkdir()
+    off = _run(golden, tmp_path / "off", [sys.executable], {"GPUMIGRATE_AMP": "bf16"})
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert _losses(off.stdout) == _losses(original.stdout)  # float32, as before
+    for precision in ("bf16", "fp16"):
+        (tmp_path / precision).mkdir()
+        script = tmp_path / precision / name
+        shutil.copy(golden, script)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   GPUMIGRATE_AMP=precision)
+        on = subprocess.run([sys.executable, str(script), FLAG_FIXTURES[name]], capture_output=True, text=True,
+                            cwd=str(script.parent), env=env, timeout=240)
+        assert on.returncode == 0, on.stderr[-2000:]
+        losses = _losses(on.stdout)
+        assert losses != _losses(original.stdout) and losses[-1] < losses[0], losses

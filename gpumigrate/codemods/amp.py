@@ -123,6 +123,9 @@ class AmpSetup(Rule):
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = amp_plan(self.ctx)
         model = script_model(self.ctx)
+        if self.plan.already is not None and self.fixing:  # one line, not one per call: an information
+            self.ctx.report(self.code, self.plan.already, "already uses torch.amp autocast/GradScaler: nothing to add",
+                            fixed=False, review=False)
         if self.plan.why_not is not None:
             where = model.backward_calls[0] if model.backward_calls else node
             self.report(where, f"no mixed precision, the training is left as it is: {self.plan.why_not}", review=True,
@@ -130,6 +133,12 @@ class AmpSetup(Rule):
             return
         if not self.plan.active:
             return
+        if self.plan.switch is not None:
+            flag = cst.Module(body=[]).code_for_node(self.plan.switch)
+            self.report(self.plan.switch, f"`{flag}` stays the precision switch: autocast and the scaler get "
+                                          f"`enabled={flag}` (without it, float32 as before)")
+        elif self.plan.switch_why_not is not None:
+            self.report(self.plan.switch_why_not[0], self.plan.switch_why_not[1], review=True)
         for sl in self.plan.slices:
             body = list(sl.block.body)
             self.report(body[sl.start], "runs under autocast: the forward pass and loss in mixed precision",
@@ -157,7 +166,7 @@ class AmpSetup(Rule):
         return self.plan.active
 
     def leave_Module(self, original: cst.Module, updated: cst.Module):
-        if self._active():  # registered last: the scaler goes after the device set-up
+        if self._active() and self.plan.switch is None:  # registered last: the scaler goes after the device set-up
             self.plan.define_scaler(self.fixing)
         return None
 
@@ -204,7 +213,7 @@ class AmpSetup(Rule):
         lines = [cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(h.name))], value=value)])
                  for h, value in values]
         item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
-                                          args=[cst.Arg(values[0][0].model.deep_clone())]))
+                                          args=[cst.Arg(values[0][0].model.deep_clone()), *self.plan.enabled_args()]))
         return [cst.With(items=[item], body=cst.IndentedBlock(body=lines))]
 
     def leave_Dict(self, original: cst.Dict, updated: cst.Dict):
@@ -228,6 +237,8 @@ class AmpSetup(Rule):
                        for o in self.plan.unscale_before[id(original)]]
         if id(original) in self.plan.update_after:
             after.append(_line(_scaler_call(self.plan, "update", [])))
+        if id(original) == self.plan.switch_after and self.fixing:  # `args = parser.parse_args()`
+            after.append(self.plan.scaler_line())
         if id(original) in self.restored:
             after.append(self._restore_scaler(original))
         if not before and not after and not inline:
@@ -242,6 +253,16 @@ class AmpSetup(Rule):
         if isinstance(updated, cst.FlattenSentinel):
             return cst.FlattenSentinel([*before, *updated.nodes, *after])
         return cst.FlattenSentinel([*before, updated, *after])
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef):
+        """`def main(fp16):` switching precision: its scaler is made first thing in it."""
+        if not self._active() or not self.fixing or id(original) != self.plan.switch_after or \
+                not isinstance(updated.body, cst.IndentedBlock):
+            return None
+        body = list(updated.body.body)
+        at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) else 0
+        return updated.with_changes(body=updated.body.with_changes(body=body[:at] + [self.plan.scaler_line()] +
+                                                                   body[at:]))
 
     def _name_the_loss(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
         """`model(x).sum().backward()` -> the loss named and computed under autocast, then
@@ -260,7 +281,8 @@ class AmpSetup(Rule):
             wrapped = compute.with_changes(leading_lines=[] if before else updated.leading_lines)
         else:
             item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
-                                              args=[cst.Arg(self.plan.inline[id(original)].deep_clone())]))
+                                              args=[cst.Arg(self.plan.inline[id(original)].deep_clone()),
+                                                    *self.plan.enabled_args()]))
             wrapped = cst.With(items=[item], body=cst.IndentedBlock(body=[compute]),
                                leading_lines=[] if before else updated.leading_lines)
         rest = [updated.body[at].with_changes(value=backward.with_changes(func=backward.func.with_changes(
@@ -299,7 +321,7 @@ class AmpSetup(Rule):
             leading = inner[0].leading_lines
             inner[0] = inner[0].with_changes(leading_lines=[])
             item = cst.WithItem(item=cst.Call(func=runtime_name(self.ctx, "autocast", self.fixing),
-                                              args=[cst.Arg(sl.model.deep_clone())]))
+                                              args=[cst.Arg(sl.model.deep_clone()), *self.plan.enabled_args()]))
             body.append(cst.With(items=[item], body=cst.IndentedBlock(body=inner), leading_lines=leading))
             done = sl.end
         body += [s for g in groups[done:] for s in g]
@@ -515,7 +537,7 @@ class ApexAmp(_MigratedByAmp):
         self.report(call, "`amp.initialize` goes: autocast casts per operation, the model stays float32")
         self._review_settings(call)
         flag = self._condition(original)
-        if flag is not None:
+        if flag is not None and self.plan.switch is None and self.plan.switch_why_not is None:
             self.report(call, f"apex ran only `if {flag}:`; mixed precision now always runs: pass "
                               f"`enabled={flag}` to autocast() and grad_scaler() if the flag must keep its meaning",
                         review=True)
@@ -633,18 +655,36 @@ def _imports_apex_amp(node: cst.ImportFrom) -> bool:
 
 
 def _only_pass(block: cst.BaseSuite) -> bool:
-    """A block of `pass` alone, with no comment in it."""
-    if not isinstance(block, cst.IndentedBlock) or block.header.comment is not None or block.footer:
+    """A block of `pass` alone (comments aside: they stay, see `_comments`)."""
+    if not isinstance(block, cst.IndentedBlock):
         return False
-    return all(m.matches(line, m.SimpleStatementLine(body=[m.Pass()])) and line.trailing_whitespace.comment is None
-               and not any(e.comment is not None for e in line.leading_lines) for line in block.body)
+    return all(m.matches(line, m.SimpleStatementLine(body=[m.Pass()])) for line in block.body)
+
+
+def _comments(node: cst.CSTNode) -> List[cst.EmptyLine]:
+    """Every comment in `node`, each as a line of its own: what a removed block leaves."""
+    return [cst.EmptyLine(comment=cst.Comment(c.value)) for c in m.findall(node, m.Comment())]
 
 
 def _same_statements(a: cst.BaseSuite, b: cst.BaseSuite) -> bool:
-    render = cst.Module(body=[]).code_for_node
+    """The same code, comments and layout aside."""
     if not (isinstance(a, cst.IndentedBlock) and isinstance(b, cst.IndentedBlock)):
         return False
-    return ["".join(render(s).split()) for s in a.body] == ["".join(render(s).split()) for s in b.body]
+    import ast
+
+    try:
+        return ast.dump(ast.parse(cst.Module(body=list(a.body)).code)) == \
+            ast.dump(ast.parse(cst.Module(body=list(b.body)).code))
+    except SyntaxError:  # `return` or `yield` of a function body: the rendered text, without comments
+        render = cst.Module(body=[]).code_for_node
+        plain = [c.value for c in m.findall(a, m.Comment()) + m.findall(b, m.Comment())]
+
+        def text(block: cst.IndentedBlock) -> str:
+            out = "".join(render(s) for s in block.body)
+            for c in plain:
+                out = out.replace(c, "")
+            return "".join(out.split())
+        return text(a) == text(b)
 
 
 def _negated(test: cst.BaseExpression) -> cst.BaseExpression:
@@ -664,24 +704,30 @@ def _settled_if(rule: "_MigratedByAmp", original: cst.If, updated: cst.If):
     does nothing else), and only where the migration made them so."""
     s = script_model(rule.ctx).s
     if not rule.plan.applies or not isinstance(updated.body, cst.IndentedBlock) or \
-            s.inside(original.test, cst.Call) or original.body.header.comment is not None:
+            s.inside(original.test, cst.Call):
         return None
     test = " ".join(cst.Module(body=[]).code_for_node(original.test).split())
     orelse = updated.orelse
+    # the comments of what goes stay, above what is left (a stale comment beats a lost one)
     if _only_pass(updated.body) and not _only_pass(original.body):
         if orelse is None or isinstance(orelse, cst.Else) and _only_pass(orelse.body):
             rule.report(original, f"`if {test}:` has nothing left to do after the migration: it goes")
-            return rule.ctx.remove_statement(updated)
+            return rule.ctx.remove_statement(updated.with_changes(
+                leading_lines=[*updated.leading_lines, *_comments(updated.body), *(
+                    _comments(orelse) if orelse is not None else [])]))
         if isinstance(orelse, cst.Else) and isinstance(orelse.body, cst.IndentedBlock) and not orelse.leading_lines:
             rule.report(original, f"`if {test}:` has nothing left to do after the migration: its `else` runs "
                                   f"`if not ...:`")
-            return updated.with_changes(test=_negated(updated.test), body=orelse.body, orelse=None)
+            return updated.with_changes(test=_negated(updated.test), body=orelse.body, orelse=None,
+                                        leading_lines=[*updated.leading_lines, *_comments(updated.body)])
         return None
     if isinstance(orelse, cst.Else) and isinstance(original.orelse, cst.Else) and not orelse.leading_lines and \
+            not _comments(cst.IndentedBlock(body=[], footer=updated.body.footer)) and \
             _same_statements(updated.body, orelse.body) and not _same_statements(original.body, original.orelse.body):
         rule.report(original, f"`if {test}:` and its `else` do the same after the migration: one is kept")
         stmts = list(updated.body.body)
-        stmts[0] = stmts[0].with_changes(leading_lines=[*updated.leading_lines, *stmts[0].leading_lines])
+        stmts[0] = stmts[0].with_changes(leading_lines=[  # and the dropped branch's comments after its own
+            *updated.leading_lines, *_comments(updated.body.header), *stmts[0].leading_lines, *_comments(orelse)])
         return cst.FlattenSentinel(stmts)
     return None
 

@@ -79,6 +79,13 @@ class AmpPlan:
     claimed: List[Tuple[cst.CSTNode, int, int]] = field(default_factory=list)
     bce_review: List[cst.Call] = field(default_factory=list)  # arguments of unknown kind: not cast
     bce_functions: Dict[int, bool] = field(default_factory=dict)  # id(function node) -> computes BCE
+    # The script's own precision switch (`args.fp16`): the test of every `if` around the `.half()`
+    # and apex code that turned reduced precision on. Autocast and the scaler get `enabled=` it.
+    switch: Optional[cst.BaseExpression] = None
+    switch_after: Optional[int] = None  # id of the line binding the switch (or of the def taking it): the scaler
+    # is made after it (first in it)
+    switch_why_not: Optional[Tuple[cst.CSTNode, str]] = None  # a guarded switch not kept, and why
+    already: Optional[cst.Call] = None  # the first torch.amp call of a script on torch.amp already
     _defined: bool = False
 
     @property
@@ -106,12 +113,24 @@ class AmpPlan:
         if not fixing or self._defined:
             return
         self._defined = True
+        stmt = self.scaler_line()
+        self.ctx.add_finisher("amp-scaler", lambda module: _insert_after_setup(module, stmt))
+
+    def scaler_line(self) -> cst.SimpleStatementLine:
+        """`scaler = grad_scaler()`, or `grad_scaler(enabled=args.fp16)` with the script's switch."""
         from gpumigrate.codemods.helpers import runtime_name
 
-        stmt = cst.SimpleStatementLine(body=[cst.Assign(
+        return cst.SimpleStatementLine(body=[cst.Assign(
             targets=[cst.AssignTarget(cst.Name(self.scaler))],
-            value=cst.Call(func=runtime_name(self.ctx, "grad_scaler")))])
-        self.ctx.add_finisher("amp-scaler", lambda module: _insert_after_setup(module, stmt))
+            value=cst.Call(func=runtime_name(self.ctx, "grad_scaler"), args=self.enabled_args()))])
+
+    def enabled_args(self) -> List[cst.Arg]:
+        """`enabled=<the script's switch>` for autocast and the scaler, if it has one."""
+        if self.switch is None:
+            return []
+        return [cst.Arg(self.switch.deep_clone().with_changes(lpar=[], rpar=[]), keyword=cst.Name("enabled"),
+                        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                              whitespace_after=cst.SimpleWhitespace("")))]
 
 
 def _insert_after_setup(module: cst.Module, stmt: cst.SimpleStatementLine) -> cst.Module:
@@ -137,8 +156,11 @@ def _build(ctx: FileContext) -> AmpPlan:
     model = plan.model
     if not model.uses_torch or not model.has_training:
         return plan
-    if any((ctx.names.qualify(c.func) or "") in AUTOCASTS + SCALERS for c in model.s.index.of(cst.Call)):
-        return plan  # mixed precision already (GM503 moves torch.cuda.amp to torch.amp)
+    amp_calls = [c for c in model.s.index.of(cst.Call) if (ctx.names.qualify(c.func) or "") in AUTOCASTS + SCALERS]
+    if amp_calls:  # mixed precision already (GM503 moves torch.cuda.amp to torch.amp)
+        if not any((ctx.names.qualify(c.func) or "").startswith("torch.cuda.") for c in amp_calls):
+            plan.already = amp_calls[0]
+        return plan
     from gpumigrate.codemods.helpers import fresh_name
 
     try:
@@ -155,7 +177,96 @@ def _build(ctx: FileContext) -> AmpPlan:
         plan.loss_name = fresh_name(ctx, "loss")
     _slice_evaluation(plan)
     _numpy_of_autocast(plan)
+    _find_switch(plan)
     return plan
+
+
+APEX_INITIALIZE = "apex.amp.initialize"
+
+
+def _find_switch(plan: AmpPlan) -> None:
+    """The script's precision switch, proven: every `.half()` of a model and every apex
+    `amp.initialize` (what turned reduced precision on) sits in the body of an `if` testing
+    one plain name (`if args.fp16:`), the same everywhere, bound by an assignment that every
+    autocast and scaler edit can read (module level, or the one function that trains). Then
+    running without the flag trains in float32 as before. Anything else: mixed precision is
+    always on (as before this existed) and, where a guard was seen, that is listed."""
+    model, s, qualify = plan.model, plan.model.s, plan.ctx.names.qualify
+    turns_on = [c for c in plan.halves if model.module_like(c.func.value)] + [
+        c for c in s.index.of(cst.Call) if qualify(c.func) == APEX_INITIALIZE]
+    if not turns_on:
+        return
+    guards = [_guard(s, c) for c in turns_on]
+    seen = next((g for g in guards if g is not None), None)
+    if seen is None:
+        return  # reduced precision was always on: it stays on
+    render = cst.Module(body=[]).code_for_node
+    shown = " ".join(render(seen.test).split())
+    tests = sorted({" ".join(render(g.test).split()) if g is not None else "" for g in guards})
+    roots = _read_names(s, seen.test)
+    if "" in tests or len(tests) != 1 or len(roots) != 1:
+        why = "reduced precision was also on outside it" if "" in tests else \
+            "other tests switched it too (" + ", ".join(f"`if {t}:`" for t in tests) + ")" if len(tests) > 1 else \
+            "its test does more than read one variable (`args.fp16`, `args.precision == 16`)"
+        plan.switch_why_not = (seen, f"`if {shown}:` switched reduced precision, but {why}: mixed precision now "
+                                     "always runs; pass `enabled=` to autocast() and grad_scaler() if a flag must "
+                                     "keep its meaning")
+        return
+    flag, root = seen.test, roots.pop()
+    home, bindings = s.lookup(root, s.scope(seen), s.order(seen))
+    binding = max(bindings, key=lambda b: b.order) if bindings else None
+    why = None
+    param = binding is not None and binding.how == "param" and isinstance(home.node, cst.FunctionDef)
+    if home is None or binding is None or binding.how not in ("assign", "unpack") and not param or \
+            not param and not isinstance(s.line(binding.stmt), cst.SimpleStatementLine):
+        why = f"`{root}` is not assigned where the scaler can be made"
+    elif not home.is_module and not _all_inside(plan, home.node):
+        why = f"`{root}` is local to a function, and the training or its checkpoints reach beyond it"
+    if why is not None:
+        plan.switch_why_not = (seen, f"`if {shown}:` switched reduced precision, but {why}: mixed precision now "
+                                     f"always runs; pass `enabled={shown}` to autocast() and grad_scaler() if the "
+                                     "flag must keep its meaning")
+        return
+    plan.switch = flag
+    plan.switch_after = id(home.node) if param else id(s.line(binding.stmt))  # a def: first thing in its body
+
+
+def _read_names(s, test: cst.BaseExpression) -> Set[str]:
+    """The variables a test reads (`args` for `args.fp16 and not args.cpu`); a call, a
+    lambda or a comprehension in it (which may do something, or bind): no name at all."""
+    if any(s.inside(test, (cst.Call, cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp,
+                           cst.NamedExpr, cst.Await))):
+        return set()
+    out = set()
+    for name in s.inside(test, cst.Name):
+        parent = s.parent(name)
+        if not (isinstance(parent, cst.Attribute) and parent.attr is name) and name.value not in (
+                "True", "False", "None"):
+            out.add(name.value)
+    return out
+
+
+def _guard(s, node: cst.CSTNode) -> Optional[cst.If]:
+    """The `if` whose body (not its `else`) holds `node`, nearest first; None where the
+    nearest `if` holds it in its `else`, or none does."""
+    child = node
+    for a in s.ancestors(node):
+        if isinstance(a, cst.If):
+            return a if child is a.body else None
+        if isinstance(a, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return None
+        child = a
+    return None
+
+
+def _all_inside(plan: AmpPlan, function: cst.CSTNode) -> bool:
+    """Do every edit that reads the scaler or autocast, and every optimizer state saved or
+    loaded (the scaler's goes with it), lie in `function`'s own body?"""
+    s = plan.model.s
+    nodes = [c for c in s.index.of(cst.Call) if id(c) in plan.steps or id(c) in plan.backwards or
+             isinstance(c.func, cst.Attribute) and c.func.attr.value in ("state_dict", "load_state_dict")]
+    nodes += [sl.block for sl in plan.slices] + [w for w in s.index.of(cst.With) if id(w) in plan.scale_loss_withs]
+    return all(s.scope(n).node is function for n in nodes)
 
 
 class _NotProven(Exception):

@@ -103,7 +103,8 @@ def _dtype_on(device_type: str) -> Optional[torch.dtype]:
 def autocast(where: Where, enabled: bool = True) -> torch.autocast:
     """`torch.autocast` on the device of `where` (a device, or the model about to run, or a
     tensor) with the dtype of `amp_dtype`: one script runs in float16 on CUDA, bfloat16 on a
-    CPU, float32 when switched off."""
+    CPU, float32 when switched off. `enabled`: the script's own switch (`enabled=args.fp16`);
+    mixed precision runs only where both it and `GPUMIGRATE_AMP` allow it."""
     device_type = _device_type(where)  # once: this runs every step
     dtype = _dtype_on(device_type)
     # autocast checks its dtype even when it is off: give it one every device accepts
@@ -167,8 +168,9 @@ class GradScaler:
 
 
 def grad_scaler(where: Optional[Where] = None, enabled: bool = True) -> Any:
-    """A loss scaler, on only where autocast runs in float16 on the device of `where`. With no
-    `where`, a `GradScaler` that finds its device at the first `scale(loss)`."""
+    """A loss scaler, on only where autocast runs in float16 on the device of `where` (and
+    `enabled`, the script's own switch, is true: give autocast the same). With no `where`, a
+    `GradScaler` that finds its device at the first `scale(loss)`."""
     if where is None:
         return GradScaler(enabled)
     device_type = _device_type(where)
