@@ -327,3 +327,24 @@ def test_base_dependencies_leave_torch_out() -> None:
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     names = [re.split(r"[\s<>=!~;\[]", dependency, maxsplit=1)[0].lower() for dependency in dependencies]
     assert "libcst" in names and "torch" not in names
+
+
+def test_the_readme_config_works_from_a_clone(tmp_path: Path, hook_repo: HookRepo) -> None:
+    """The README's .pre-commit-config.yaml, with its placeholders filled in as a user would
+    (the clone's path and a commit of it), runs both hooks: no release needed."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## pre-commit"):]
+    block = section[section.index("```yaml\n") + len("```yaml\n"):]
+    config = block[:block.index("```")]
+    assert "repo: /path/to/your/clone/of/gpumigrate" in config and "rev: main" in config
+    config = config.replace("/path/to/your/clone/of/gpumigrate", str(hook_repo.path)).replace(
+        "rev: main", f"rev: {hook_repo.rev}")
+    project = _init_repo(tmp_path / "readme", hook_repo.env)
+    (project / ".pre-commit-config.yaml").write_text(config)
+    _write(project, "train.py", TRAIN, env=hook_repo.env)
+    first = _pre_commit(project, hook_repo, "run", "--files", "train.py")
+    assert _hook_line(first.stdout, "gpumigrate migrate").endswith("Failed"), first.stdout
+    assert "now imports `gpumigrate.runtime`" in first.stdout
+    _git(project, hook_repo.env, "add", "train.py")
+    second = _pre_commit(project, hook_repo, "run", "--files", "train.py")
+    assert second.returncode == 0, second.stdout
