@@ -731,3 +731,43 @@ def test_a_script_already_on_torch_amp_gets_one_line_saying_so():
     assert result.error is None and result.new_source is None
     assert [(f.line, f.message, f.review, f.fixed) for f in result.findings] == [
         (6, "already uses torch.amp autocast/GradScaler: nothing to add", False, False)]
+
+
+def test_a_flag_bound_in_a_branch_is_not_trusted_with_the_scaler():
+    """A scaler made after one of two assignments would not exist on the other path."""
+    out, reviews = amp("""\
+        import sys
+        if len(sys.argv) > 5:
+            fp16 = True
+        else:
+            fp16 = False
+        if fp16:
+            model.half()
+        for x, y in loader:
+            model(x).sum().backward()
+            opt.step()
+        """)
+    assert "enabled=" not in out and "scaler = grad_scaler()\n" in out
+    assert reviews == ["`if fp16:` switched reduced precision, but `fp16` is not assigned once, where the scaler can "
+                       "be made: mixed precision now always runs; pass `enabled=fp16` to autocast() and grad_scaler() "
+                       "if the flag must keep its meaning"]
+
+
+def test_a_flag_parsed_under_the_main_guard_keeps_its_meaning():
+    out, reviews = amp("""\
+        def train(model):
+            if args.fp16:
+                model.half()
+            for x, y in loader:
+                model(x).sum().backward()
+                opt.step()
+        if __name__ == "__main__":
+            import argparse
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--fp16", action="store_true")
+            args = parser.parse_args([])
+            train(model)
+        """)
+    assert not reviews, reviews
+    assert "    args = parser.parse_args([])\n    scaler = grad_scaler(enabled=args.fp16)\n    train(model)\n" in out
+    exec(compile(out, "x.py", "exec"), {"__name__": "__main__"})

@@ -70,6 +70,10 @@ class AmpSetup(Rule):
     branches, a closure, `torch.autograd.backward`), the file stays in full precision and
     the reason is listed for review.
 
+    A script whose `.half()` or apex code ran only behind its own flag (`if args.fp16:`)
+    keeps the flag: `autocast(model, enabled=args.fp16)` and `grad_scaler(enabled=args.fp16)`,
+    made right after `args` is bound. A script on `torch.amp` already gets one line saying so.
+
     `binary_cross_entropy` (`nn.BCELoss`) is unsafe to autocast: CUDA refuses it there. The
     lines that call it run after the autocast block, on float32 inputs
     (`crit(probs.float(), y)`; an input that runs the model, `crit(net(x), y)`, is computed
@@ -768,7 +772,10 @@ class HalfTraining(_MigratedByAmp):
             loss = crit(model(x), y)
     ```
     `--keep-half` keeps pure float16; GM305 then keeps BatchNorm in float32. An `if
-    args.half:` left with nothing to do goes (its `else`, if any, runs `if not args.half:`).
+    args.half:` left with nothing to do goes (its `else`, if any, runs `if not args.half:`;
+    its comments stay). Where every `.half()` of a model ran only `if args.half:`, the flag
+    keeps its meaning: autocast and the scaler get `enabled=args.half`, so a run without it
+    trains in float32 as before.
     """
 
     code = "GM502"
@@ -799,6 +806,14 @@ class HalfTraining(_MigratedByAmp):
                 fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\nscaler = grad_scaler()\n"
                 "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                 "for x, y in loader:\n    if not args.half:\n        x = x.float()\n    with autocast(model):\n"
+                "        loss = model(x).sum()\n    scaler.scale(loss).backward()\n    scaler.step(opt)\n"
+                "    scaler.update()\n"),
+        # the script's own switch stays one: `enabled=` it
+        Flagged(_HEAD + "half = True\nif half:\n    model.half()\nfor x, y in loader:\n    loss = model(x.half()).sum()\n"
+                "    loss.backward()\n    opt.step()\n",
+                fixed="import torch\nfrom gpumigrate.runtime import autocast, grad_scaler\n\n"
+                "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nhalf = True\n"
+                "scaler = grad_scaler(enabled=half)\nfor x, y in loader:\n    with autocast(model, enabled=half):\n"
                 "        loss = model(x).sum()\n    scaler.scale(loss).backward()\n    scaler.step(opt)\n"
                 "    scaler.update()\n"),
         Clean("import torch\nx = torch.zeros(2).half()\n"),  # no training: nothing to migrate

@@ -19,6 +19,7 @@ from gpumigrate.analysis import values as v
 from gpumigrate.analysis.structure import NEVER, dotted, target_names
 from gpumigrate.analysis.values import call_argument
 from gpumigrate.rewriter.engine import FileContext
+from gpumigrate.rewriter.lazy import matchers as m
 
 _CLIP = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_", "torch.nn.utils.clip_grad_norm",
          "torch.nn.utils.clip_grad.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_value_")
@@ -214,12 +215,13 @@ def _find_switch(plan: AmpPlan) -> None:
         return
     flag, root = seen.test, roots.pop()
     home, bindings = s.lookup(root, s.scope(seen), s.order(seen))
-    binding = max(bindings, key=lambda b: b.order) if bindings else None
+    binding = bindings[0] if len(bindings) == 1 else None  # one binding that reaches the guard
     why = None
     param = binding is not None and binding.how == "param" and isinstance(home.node, cst.FunctionDef)
     if home is None or binding is None or binding.how not in ("assign", "unpack") and not param or \
-            not param and not isinstance(s.line(binding.stmt), cst.SimpleStatementLine):
-        why = f"`{root}` is not assigned where the scaler can be made"
+            not param and not (isinstance(s.line(binding.stmt), cst.SimpleStatementLine) and
+                               _always_runs(s, s.line(binding.stmt), home.node)):
+        why = f"`{root}` is not assigned once, where the scaler can be made"
     elif not home.is_module and not _all_inside(plan, home.node):
         why = f"`{root}` is local to a function, and the training or its checkpoints reach beyond it"
     if why is not None:
@@ -244,6 +246,20 @@ def _read_names(s, test: cst.BaseExpression) -> Set[str]:
                 "True", "False", "None"):
             out.add(name.value)
     return out
+
+
+def _always_runs(s, line: cst.CSTNode, home: cst.CSTNode) -> bool:
+    """Does `line` run whenever its scope does (a scaler made after it exists for what
+    follows)? Not in a loop, a branch or a `try`; `if __name__ == "__main__":` aside."""
+    for a in s.ancestors(line):
+        if a is home:
+            return True
+        if isinstance(a, cst.If) and not (isinstance(home, cst.Module) and m.matches(a.test, m.Comparison(
+                left=m.Name("__name__"), comparisons=[m.ComparisonTarget(m.Equal(), m.SimpleString())]))):
+            return False
+        if isinstance(a, (cst.For, cst.While, cst.Try, cst.Else, cst.ExceptHandler, cst.Finally)):
+            return False
+    return False
 
 
 def _guard(s, node: cst.CSTNode) -> Optional[cst.If]:
