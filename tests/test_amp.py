@@ -771,3 +771,23 @@ def test_a_flag_parsed_under_the_main_guard_keeps_its_meaning():
     assert not reviews, reviews
     assert "    args = parser.parse_args([])\n    scaler = grad_scaler(enabled=args.fp16)\n    train(model)\n" in out
     exec(compile(out, "x.py", "exec"), {"__name__": "__main__"})
+
+
+@pytest.mark.parametrize("env, flag, on", [("fp16", True, True), ("fp16", False, False), ("off", True, False),
+                                           ("bf16", False, False)])
+def test_the_runtime_runs_mixed_precision_only_where_both_switches_allow_it(env, flag, on, monkeypatch):
+    """`enabled=args.fp16` and GPUMIGRATE_AMP: mixed precision (and loss scaling in float16)
+    only where both say so; off, float32 and a pass-through scaler."""
+    import torch
+
+    from gpumigrate.runtime import autocast, grad_scaler
+
+    monkeypatch.setenv("GPUMIGRATE_AMP", env)
+    model = torch.nn.Linear(4, 1)
+    with autocast(model, enabled=flag):
+        assert torch.is_autocast_enabled("cpu") is on
+        loss = model(torch.randn(2, 4)).sum()
+    scaler = grad_scaler(enabled=flag)
+    scaled = scaler.scale(loss)
+    assert scaler.is_enabled() is (on and env == "fp16")
+    assert scaled is loss or on  # off: the loss itself
