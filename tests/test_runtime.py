@@ -114,6 +114,30 @@ def test_any_accelerator_torch_names_is_found(fake_xpu, monkeypatch, rt):
     assert synced == [None]
 
 
+def test_several_processes_get_an_accelerator_their_group_can_communicate_on(fake_xpu, monkeypatch, rt):
+    """Under torchrun, a device the process group has no backend for would leave DDP unable to
+    synchronise: XPU has one (xccl), MPS none (the CPU, with gloo), CUDA NCCL."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.distributed, "get_default_backend_for_device", lambda device: "xccl")
+    assert rt.get_device() == torch.device("xpu", 1)
+    assert internals(rt)._default_backend(torch.device("xpu", 1)) == "cpu:gloo,xpu:xccl"
+    assert internals(rt)._default_backend(torch.device("cpu")) == "gloo"
+
+    def no_backend(device):
+        raise RuntimeError(f"no default backend for {device.type}")
+
+    monkeypatch.setattr(torch.distributed, "get_default_backend_for_device", no_backend)
+    assert rt.get_device() == torch.device("cpu")
+    assert rt.get_device(1) == torch.device("xpu", 1)  # model parallelism names its devices itself
+    fake_accelerator(monkeypatch, "mps")
+    monkeypatch.setattr(torch.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert rt.get_device() == torch.device("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert rt.get_device() == torch.device("mps")  # one process: the Mac's GPU
+
+
 def test_a_build_s_accelerator_without_its_device_is_the_cpu(monkeypatch, rt):
     """A CUDA build on a machine without a GPU names CUDA at build time: not available here."""
     fake_accelerator(monkeypatch, "cuda")

@@ -48,6 +48,32 @@ def _current_index(kind: str) -> int:
     return current() if current is not None else 0
 
 
+def _multi_process() -> bool:
+    """Launched as one of several processes (torchrun, srun) that will form a group."""
+    try:
+        return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1) > 1
+    except ValueError:
+        return False
+
+
+def _collective_kind(kind: str) -> Optional[str]:
+    """The accelerator type a process group can communicate on, or None (the CPU, with
+    gloo): CUDA (NCCL), and on torch >= 2.6 whatever has a default backend (XPU's xccl); not
+    MPS, which has none, so a DDP model there could not be synchronised."""
+    if kind == "cuda":
+        return kind
+    if kind == "mps":
+        return None
+    dist = torch.distributed
+    backend_for = getattr(dist, "get_default_backend_for_device", None)
+    if not dist.is_available() or backend_for is None:
+        return None
+    try:
+        return kind if backend_for(torch.device(kind)) else None
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
 def get_device(index: Union[int, torch.device, str, None] = None) -> torch.device:
     """The device to run on: the accelerator (CUDA, MPS, XPU, ... as `torch.accelerator`
     finds it on torch >= 2.6; CUDA then MPS on older torch), else the CPU.
@@ -55,11 +81,14 @@ def get_device(index: Union[int, torch.device, str, None] = None) -> torch.devic
     `index` picks the n-th GPU for model-parallel scripts (`encoder.cuda(0)`,
     `decoder.cuda(1)`); with fewer GPUs than asked for, indices wrap around, so a two-GPU
     script still runs on one. Without `index`, a process launched by torchrun (which sets
-    `LOCAL_RANK`) gets its own GPU. A device (or its name) is returned as it is.
+    `LOCAL_RANK`) gets its own GPU, on an accelerator its process group can communicate on
+    (else the CPU: MPS has no collective backend). A device (or its name) is returned as it is.
     """
     if isinstance(index, (torch.device, str)):
         return torch.device(index)  # `.cuda(some_device)` named its device already
     kind = _accelerator()
+    if kind is not None and index is None and _multi_process():
+        kind = _collective_kind(kind)
     if kind is None:
         return torch.device("cpu")
     if kind == "mps":

@@ -103,14 +103,17 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
     if launch is None or launch.world_size == 1 or multiprocessing.parent_process() is not None:
         return get_device() if use_accelerator else torch.device("cpu")
     timeout = _dist_timeout()  # before joining: a bad value stops every rank at once, none waits
-    if use_accelerator and torch.cuda.is_available():
-        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+    # get_device() takes only an accelerator the group can communicate on (not MPS): the CPU else
+    device = get_device() if use_accelerator else torch.device("cpu")
+    if device.type != "cpu" and device.index is not None:
+        device = get_device(launch.local_rank)  # srun sets no LOCAL_RANK: the launch's own
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")  # gloo works on CPU tensors; MPS has no collective backend
+    elif device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
     if not dist.is_initialized():
         dist.init_process_group(
-            backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"),
+            backend or _default_backend(device),
             init_method="env://",
             rank=launch.rank,
             world_size=launch.world_size,
@@ -123,6 +126,16 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
     if average_unwrapped:
         _install_averaging()
     return device
+
+
+def _default_backend(device: torch.device) -> str:
+    """gloo for CPU tensors, and the device's own backend for its tensors (NCCL on CUDA, xccl
+    on XPU): a script whose own `--no-cuda` flag keeps the model on the CPU still works."""
+    if device.type == "cpu":
+        return "gloo"
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
 
 
 def cleanup_distributed() -> None:
@@ -481,7 +494,7 @@ def wrap_model(
     device_ids = None
     if len(devices) == 1:
         (only,) = devices
-        if only.type == "cuda":
+        if only.type not in ("cpu", "mps") and only.index is not None:  # one accelerator: CUDA, XPU, ...
             device_ids = [only.index]
     wrapped = nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, find_unused_parameters=find_unused_parameters
