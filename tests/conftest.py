@@ -24,6 +24,15 @@ if "GPUMIGRATE_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["GPUMIGRATE_CACHE_DIR"], ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test that runs scripts (`e2e`) or torchrun (`ddp`) is `slow` too, so the quick subset,
+    `python -m pytest -q -m "not slow"`, is one marker. Others carry `slow` by hand (measured)."""
+    for item in items:
+        if item.get_closest_marker("e2e") or item.get_closest_marker("ddp"):
+            item.add_marker(pytest.mark.slow)
+
+
 def migrate(source: bytes, target: str = "device", path: str = "script.py", options: Optional[dict] = None) -> FileResult:
     """As `gpumigrate --to TARGET` migrates: its passes, in order, to a fixpoint."""
     return process_passes(source, path, passes_for(target, rules_for(target)), options)

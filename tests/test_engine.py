@@ -176,6 +176,7 @@ def test_no_edit_leaves_bytes_libcst_would_change():
     assert migrate(source, "ddp").new_source is None
 
 
+@pytest.mark.slow
 def test_the_fast_traversal_gives_what_libcsts_visits_give(monkeypatch):
     """The index built without a LibCST visit holds the same nodes in the same order, with
     the same subtree ends and parents; lint without the rebuilding traversal finds exactly
@@ -227,6 +228,7 @@ def _gate_sample():
             yield f"{rule.code}-example-{i}.py", example.code.encode()
 
 
+@pytest.mark.slow
 def test_gates_change_no_finding(monkeypatch):
     """Lint asks each rule's gate (stdlib `ast` facts) whether it can report on a file, and
     skips LibCST where none can: the findings are exactly those of running every rule (issue
@@ -261,6 +263,7 @@ def test_gates_change_no_finding(monkeypatch):
     assert gated > pairs * 0.6, (gated, pairs)  # the gates do turn rules off: the test compares something
 
 
+@pytest.mark.slow
 def test_large_constant_data_is_not_handed_to_libcst(monkeypatch):
     """A large constant-only table bound to a name is emptied, its lines kept, before lint's
     LibCST parse (LibCST holds ~1.8 KB per byte): findings before, after and on the lines of

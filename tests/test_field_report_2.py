@@ -626,6 +626,7 @@ def _idempotence_cases():
 
 
 @pytest.mark.parametrize("fixture, target", list(_idempotence_cases()))
+@pytest.mark.slow
 def test_second_migration_changes_nothing(fixture, target, tmp_path):
     path = FIXTURES / "field" / fixture
     if path.is_dir():

@@ -152,6 +152,8 @@ json.dump(out, open(sys.argv[1] + f"/rank{rank}.json", "w"))
 """
 
 
+@pytest.mark.e2e
+@pytest.mark.ddp
 def test_shard_rows_splits_as_a_distributed_sampler(tmp_path):
     script = tmp_path / "rows.py"
     script.write_text(RUNNER)

@@ -111,6 +111,7 @@ def test_lint_golden(script):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.slow
 def test_idempotent(script, target):
     once = golden(script, target).read_bytes()
     again = migrate(once, target, str(script))
@@ -119,6 +120,7 @@ def test_idempotent(script, target):
     assert not [f for f in again.findings if f.fixed]
 
 
+@pytest.mark.slow
 def test_only_flagged_lines_change(script):
     """Untouched code keeps its bytes: every original line that changed lies in code where a
     fix was reported (or is an import the fixes made unused)."""

@@ -52,6 +52,7 @@ SEGFAULTED = {
 }
 
 
+@pytest.mark.slow
 def test_nesting_that_crashed_libcst_is_a_parse_error_and_the_run_goes_on(tmp_path):
     for name, (source, _) in SEGFAULTED.items():
         (tmp_path / name).write_text(source)
@@ -136,6 +137,7 @@ def _nested_ifs(n: int) -> str:
     ("1,500 implicit concatenations", CUDA + "y = (" + " ".join(["'ab'"] * 1500) + ")\n"),
     ("1,000 chained calls", CUDA + "y = f" + "()" * 1000 + "\n"),
 ])
+@pytest.mark.slow
 def test_deep_valid_python_is_processed(name, source):
     for target in ("device", "ddp"):
         result = _migrate(source, target)
@@ -222,6 +224,7 @@ def test_every_crash_is_found_and_results_keep_input_order(tmp_path):
             assert result.error is None and result.changed, (i, result.error)
 
 
+@pytest.mark.slow
 def test_parallel_output_equals_serial_output():
     # no cache: the parallel run must compute, largest files first, and print in input order
     command = [str(FIXTURES / "scripts"), "--to", "device", "--diff", "--no-cache"]

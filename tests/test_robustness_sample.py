@@ -12,6 +12,8 @@ from typing import List
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# ~30 s over ~300 files: in the full suite, not in the quick subset (-m "not slow")
+pytestmark = pytest.mark.slow
 PER_ROOT = 150
 MAX_SIZE = 30_000
 # Broken or odd on purpose (Python 2, bad encodings, a BOM, CRLF, bad __future__ imports):

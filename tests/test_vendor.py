@@ -133,6 +133,7 @@ def test_the_real_runtime_has_no_name_clash():
 
 @pytest.mark.parametrize("target", ["device", "ddp"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_vendored_migration_is_the_golden_with_the_vendored_import(script, target):
     """Every rule that recognises the runtime (idempotence, rank queries, collectives, the
     device definition) accepts the vendored name: the output is the golden, import aside;
@@ -203,6 +204,7 @@ def test_the_vendored_runtime_is_the_runtime_to_every_rule(rule, source):
 @pytest.mark.parametrize("script", [s for s in SCRIPTS
                                     if PACKAGE_IMPORT in (FIXTURES / "expected" / "device" / s.name).read_bytes()],
                          ids=lambda p: p.name)
+@pytest.mark.slow
 def test_a_vendored_script_stays_vendored_when_migrated_further(script):
     """`--to device --vendor-runtime`, later `--to ddp` without it: the helpers ddp adds come
     from the module the script already imports, never from both."""

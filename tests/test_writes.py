@@ -334,6 +334,7 @@ def fill(disk: Path, leave: int) -> None:
 
 @pytest.mark.parametrize("linked", [False, True])
 @pytest.mark.parametrize("room", ["none", "for the temp file only"])
+@pytest.mark.slow
 def test_a_full_disk_leaves_the_original_and_says_where_the_rewrite_is(small_disk, linked, room):
     path = small_disk / "train.py"
     path.write_text(big_script(3000))  # 89 KB; the rewrite, 101 KB
@@ -424,6 +425,7 @@ def torn(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the writer process in /proc")
+@pytest.mark.slow
 def test_sigkill_as_a_hard_linked_file_starts_to_change_leaves_it_whole(torn):
     path, original, _, check = torn
     os.link(path, path.parent / "copy.py")
@@ -434,6 +436,7 @@ def test_sigkill_as_a_hard_linked_file_starts_to_change_leaves_it_whole(torn):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the writer process in /proc")
 @pytest.mark.parametrize("linked", [False, True])
+@pytest.mark.slow
 def test_sigkill_at_random_moments_leaves_the_original_or_the_rewrite(torn, linked):
     import random
 
