@@ -151,8 +151,16 @@ def test_a_rank_that_is_no_process_rank_is_left_alone():
 
 # ---------------------------------------------------------------- under torchrun
 
+_RUNS: dict[tuple, Run] = {}  # (name, args) -> Run: this module's tests stay on one worker (--dist loadfile)
+
+
 def _torchrun(name: str, tmp_path: Path, args=()) -> Run:
-    run = run_probe(GOLDENS / name, tmp_path / "torchrun", NPROC, list(args), kind="torchrun")
+    """Each (golden, arguments) is launched once: the flag test reads the two runs of
+    distributed_flag.py that test_data_parallel_under_torchrun checks."""
+    key = (name, tuple(args))
+    if key not in _RUNS:
+        _RUNS[key] = run_probe(GOLDENS / name, tmp_path / "torchrun", NPROC, list(args), kind="torchrun")
+    run = _RUNS[key]
     assert run.ok(), run.why()
     return run
 
