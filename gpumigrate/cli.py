@@ -418,7 +418,8 @@ def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optiona
             if moved is not None:
                 cell, line = moved(f)
                 f = replace(f, cell=cell, line=line, col=f.col if line == f.line else 0)
-            _err(f"{location(output or result.path, f)}: {f.code} review by hand: {f.message}")
+            what = "note" if f.note else "review by hand"
+            _err(f"{location(output or result.path, f)}: {f.code} {what}: {f.message}")
     if result.changed and not show_diff:
         edits = _plural(sum(1 for f in result.findings if f.fixed), "edit")
         if check:
@@ -847,7 +848,7 @@ def _summary(results: List["FileResult"], changed: List["FileResult"], failed: i
     from gpumigrate.rewriter.report import not_applied
 
     edits = sum(1 for r in changed for f in r.findings if f.fixed)
-    review = sum(1 for r in results if not r.error for f in r.findings if not f.fixed)
+    review = sum(1 for r in results if not r.error for f in r.findings if not (f.fixed or f.note))
     verb = "would change" if dry else "changed"
     parts = [f"{_plural(len(changed), 'file')} {verb}", _plural(edits, "edit"), f"{review} to review by hand"]
     unchanged = len(results) - len(changed) - failed

@@ -729,8 +729,26 @@ def test_a_script_already_on_torch_amp_gets_one_line_saying_so():
         """)
     result = migrate(source.encode(), "amp")
     assert result.error is None and result.new_source is None
-    assert [(f.line, f.message, f.review, f.fixed) for f in result.findings] == [
-        (6, "already uses torch.amp autocast/GradScaler: nothing to add", False, False)]
+    assert [(f.line, f.message, f.review, f.fixed, f.note) for f in result.findings] == [
+        (6, "already uses torch.amp autocast/GradScaler: nothing to add", False, False, True)]
+
+
+def test_the_already_on_torch_amp_line_is_a_note_not_work_for_a_human(tmp_path):
+    from click.testing import CliRunner
+
+    from gpumigrate import cli
+
+    script = tmp_path / "t.py"
+    script.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "scaler = torch.amp.GradScaler('cpu')\nfor x in [torch.ones(2)]:\n"
+                      "    with torch.autocast('cpu'):\n        loss = model(x).sum()\n"
+                      "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n")
+    run = CliRunner().invoke(cli.main, [str(script), "--to", "amp", "--no-cache", "--report", str(tmp_path / "r.md")])
+    assert run.exit_code == 0, run.output
+    assert f"{script}:4:10: GM500 note: already uses torch.amp" in run.output
+    assert "review by hand:" not in run.output and "0 to review by hand" in run.output
+    report = (tmp_path / "r.md").read_text()
+    assert "### Notes" in report and "### Review by hand" not in report
 
 
 def test_a_flag_bound_in_a_branch_is_not_trusted_with_the_scaler():

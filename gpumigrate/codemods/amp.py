@@ -129,7 +129,7 @@ class AmpSetup(Rule):
         model = script_model(self.ctx)
         if self.plan.already is not None and self.fixing:  # one line, not one per call: an information
             self.ctx.report(self.code, self.plan.already, "already uses torch.amp autocast/GradScaler: nothing to add",
-                            fixed=False, review=False)
+                            fixed=False, review=False, note=True)
         if self.plan.why_not is not None:
             where = model.backward_calls[0] if model.backward_calls else node
             self.report(where, f"no mixed precision, the training is left as it is: {self.plan.why_not}", review=True,

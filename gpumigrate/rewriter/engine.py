@@ -58,6 +58,8 @@ class Finding:
     # The target (a `--to` name) this finding says was not applied to the file, and why
     # (no training to distribute, say): the summary line and the report count those files.
     not_applied: str = ""
+    # Information, neither a fix nor work for a human ("already uses torch.amp"): a note.
+    note: bool = False
 
 
 @dataclass
@@ -93,6 +95,7 @@ class _Report:
     end_line: int = 0
     through: Optional[cst.CSTNode] = None  # the finding spans up to the end of this node
     not_applied: str = ""
+    note: bool = False
 
 
 _CODES = r"(?::\s*(?P<codes>[A-Z]+[0-9]*(?:[\s,]+[A-Z]+[0-9]*)*))?"
@@ -532,11 +535,12 @@ class FileContext:
         return "noqa" in self.text.lower()
 
     def report(self, code: str, node: cst.CSTNode, message: str, *, fixed: bool, review: bool,
-               through: Optional[cst.CSTNode] = None, not_applied: str = "") -> None:
+               through: Optional[cst.CSTNode] = None, not_applied: str = "", note: bool = False) -> None:
         """Record a finding at `node` (a node of the original tree), spanning to the end of
         `through` when a fix covers several statements. `not_applied`: the target this
-        finding says the file did not get."""
-        self.reports.append(_Report(code, node, message, fixed, review, through=through, not_applied=not_applied))
+        finding says the file did not get. `note`: information only."""
+        self.reports.append(_Report(code, node, message, fixed, review, through=through, not_applied=not_applied,
+                                    note=note))
 
     def add_import(self, module: str, name: Optional[str] = None, asname: Optional[str] = None) -> None:
         if (module, name, asname) not in self.imports_to_add:
@@ -1301,7 +1305,7 @@ def _findings(ctx: FileContext) -> List[Finding]:
             continue
         fixed = rep.fixed and (rep.code in ctx.fixing or (rep.node is None and bool(ctx.fixing)))
         out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end,
-                           end_col=end_col, not_applied=rep.not_applied))
+                           end_col=end_col, not_applied=rep.not_applied, note=rep.note))
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out
 

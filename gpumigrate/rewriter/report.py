@@ -497,7 +497,8 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
             "path": r.path, "changed": bool(r.changed and not r.error), "error": r.error,
             "edits": sum(1 for f in r.findings if f.fixed),
             "not_applied": sorted({f.not_applied for f in r.findings if f.not_applied and not r.error}),
-            "review": _quoted(r, _grouped([f for f in r.findings if not f.fixed], where)),
+            "review": _quoted(r, _grouped([f for f in r.findings if not (f.fixed or f.note)], where)),
+            "notes": _grouped([f for f in r.findings if f.note], where),
             "fixed": _grouped([_as_done(f, done or {}) for f in r.findings if f.fixed], where),
             # opt-in conversions of the input before the rules ran (--py2, --reformat-notebooks)
             "converted": list(getattr(r, "prepared", ())) if r.changed and not r.error else [],
@@ -530,10 +531,10 @@ def migration_report(results: Sequence[Any], target: str, *, json_format: bool =
             out += [f"**Not applied: {', '.join('--to ' + t for t in f['not_applied'])}** (the review items say why)", ""]
         if f["converted"]:
             out += ["### Converted before the migration", ""] + [f"- {note}" for note in f["converted"]] + [""]
-        for title, key in (("Review by hand", "review"), ("Changed", "fixed")):
+        for title, key in (("Review by hand", "review"), ("Changed", "fixed"), ("Notes", "notes")):
             if f[key]:
                 out += [f"### {title}", ""] + [_item(g) for g in f[key]] + [""]
-        if not (f["review"] or f["fixed"]):
+        if not (f["review"] or f["fixed"] or f["notes"]):
             out += ["- nothing to change", ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
