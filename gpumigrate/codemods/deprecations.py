@@ -90,7 +90,8 @@ DEPRECATIONS: Tuple[Deprecation, ...] = (
                 "warns once; release not established", version_checked=False, in_torchfix=True),
     # --- tensor creation
     Deprecation("torch.range", None, None, "torch.arange",
-                "range includes `end`: torch.range(a, b) is torch.arange(a, b + step)",
+                "range includes `end` and makes the default float dtype: torch.range(a, b) is "
+                "torch.arange(a, b + step, dtype=torch.get_default_dtype()) for integer a, b",
                 "warns on every call; deprecated before 1.0, release not established",
                 version_checked=False, in_torchfix=True),
     Deprecation("torch.set_default_tensor_type", "2.1", None, "torch.set_default_dtype",
@@ -138,7 +139,8 @@ DEPRECATIONS: Tuple[Deprecation, ...] = (
                 "pytorch#114689 (Nov 2023); FutureWarning", in_torchfix=True),
     # --- mixed precision (torch.amp takes the device type first)
     Deprecation("torch.cuda.amp.autocast", "2.4", None, "torch.amp.autocast",
-                "torch.amp.autocast('cuda', ...)", "FutureWarning since 2.4", in_torchfix=True),
+                "torch.amp.autocast('cuda', ...); positional arguments shift: the old first is "
+                "`enabled`, the new second is `dtype`", "FutureWarning since 2.4", in_torchfix=True),
     Deprecation("torch.cpu.amp.autocast", "2.4", None, "torch.amp.autocast",
                 "torch.amp.autocast('cpu', ...)", "FutureWarning since 2.4", in_torchfix=True),
     Deprecation("torch.cuda.amp.GradScaler", "2.4", None, "torch.amp.GradScaler",
@@ -157,8 +159,9 @@ DEPRECATIONS: Tuple[Deprecation, ...] = (
                 "torch's own warning: 'deprecated since 1.12' (pytorch#61844)", in_torchfix=True),
     Deprecation("torch.utils._pytree._register_pytree_node", "2.2", None,
                 "torch.utils._pytree.register_pytree_node",
-                "same leading arguments; to_dumpable_context/from_dumpable_context are keywords",
-                "pytorch#112111 (Oct 2023); FutureWarning", drop_in=True, in_torchfix=True),
+                "drop-in for three arguments; to_str_fn/maybe_from_str_fn are gone (TypeError): "
+                "pass serialized_type_name/to_dumpable_context/from_dumpable_context instead",
+                "pytorch#112111 (Oct 2023); FutureWarning", in_torchfix=True),
     # --- functorch: merged into torch.func in 2.0
     *(
         Deprecation(f"functorch.{name}", "2.0", None, f"torch.func.{name}", "same arguments",
