@@ -247,6 +247,7 @@ def test_a_signed_entry_still_passes_a_fresh_result_s_checks(project, cache_root
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge", "random"])
+@pytest.mark.slow
 def test_odd_entries_neither_hang_nor_crash(project, cache_root, kind, tmp_path):
     honest = commands(project)
     for i, entry in enumerate(filled(cache_root)):

@@ -391,6 +391,7 @@ def tool_dependencies() -> set:
     return {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower().replace("-", "_") for d in deps}
 
 
+@pytest.mark.slow
 def test_the_package_runtime_works_without_the_tools_dependencies(tmp_path):
     """What `pip install --no-deps gpumigrate` (plus torch) gives: `gpumigrate.runtime`
     imports and works with libcst, click and every other dependency of the tool missing."""

@@ -32,6 +32,7 @@ class Sleeper:
         return None
 
 
+@pytest.mark.slow
 def test_a_file_over_the_time_limit_is_its_error_and_the_others_go_on():
     rules, fix = tuple(rules_for("device")), tuple(fixed_codes("device"))
     sources = [CUDA, SLOW, CUDA, CUDA]
@@ -44,6 +45,7 @@ def test_a_file_over_the_time_limit_is_its_error_and_the_others_go_on():
     assert all(r.error is None and r.changed for i, r in enumerate(results) if i != 1)
 
 
+@pytest.mark.slow
 def test_file_timeout_is_configurable_and_the_cli_goes_on(tmp_path, monkeypatch):
     real = cli._repairs
     monkeypatch.setattr(cli, "_repairs", lambda: [*real(), Sleeper])
