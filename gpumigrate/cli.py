@@ -240,7 +240,7 @@ def migrate(paths: Tuple[str, ...], target: Optional[str], show_diff: bool, chec
             "; [tool.gpumigrate] select/ignore scope migrations too (lint alone: [tool.gpumigrate.lint])")
         _err(f"note: --to {target} without {', '.join(dropped)} (not selected): the migration is partial{where}")
     if report_file:
-        _check_report_path(report_file, files)
+        _check_output_path("--report", report_file, files)
     # Before any script: a script must never import a runtime module that could not be written.
     vendor_changed = _vendor_runtime(vendor_dir, show_diff or check, quiet) if vendor_dir is not None else False
     runtime_module = VENDORED_MODULE if vendor_dir is not None else None  # None: the package, or what the script uses
@@ -428,10 +428,11 @@ def _deliver(result: "FileResult", show_diff: bool, check: bool, output: Optiona
             _err(f"wrote {output} ({edits})" if output else f"rewrote {result.path} ({edits})")
 
 
-def _check_report_path(path: str, inputs: Sequence[str]) -> None:
-    """Before anything is written: the report must not overwrite an input (by any name: a
-    hard or symbolic link too), must be a regular file (a FIFO would hang the run), and its
-    folder must be writable (exit 2, as for every usage error)."""
+def _check_output_path(option: str, path: str, inputs: Sequence[str]) -> None:
+    """Before anything is written: a file `option` (--report, --output-file) names must not
+    overwrite an input (by any name: a hard or symbolic link too), must be a regular file (a
+    FIFO would hang the run), and its folder must be writable (exit 2, as for every usage
+    error)."""
     from gpumigrate.rewriter.files import kind_of
 
     try:
@@ -440,16 +441,16 @@ def _check_report_path(path: str, inputs: Sequence[str]) -> None:
         info = None
     if info is not None:
         if not stat.S_ISREG(info.st_mode):
-            raise click.UsageError(f"--report {path}: not a regular file ({kind_of(info.st_mode)})")
+            raise click.UsageError(f"{option} {path}: not a regular file ({kind_of(info.st_mode)})")
         for name in inputs:
             try:
                 if name != STDIN and os.path.samestat(info, os.stat(name)):
-                    raise click.UsageError(f"--report {path}: that is one of the inputs ({name})")
+                    raise click.UsageError(f"{option} {path}: that is one of the inputs ({name})")
             except OSError:
                 continue
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (info is not None and not os.access(path, os.W_OK)):
-        raise click.UsageError(f"--report {path}: cannot write there")
+        raise click.UsageError(f"{option} {path}: cannot write there")
 
 
 def _write_report(path: str, results: List["FileResult"], target: str, written: bool,
@@ -653,7 +654,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
         _err("warning: no rules selected")
     files = [STDIN] if reading_stdin else _discover(paths, config, exclude)
     if output_file is not None:
-        _check_output_file(output_file, files)
+        _check_output_path("--output-file", output_file, files)
     located, fixed, failed, files_with, colour = [], 0, 0, set(), _colour(color)
     sink: Optional[List[str]] = [] if output_file is not None else None  # --output-file: written whole at the end
 
@@ -763,23 +764,6 @@ def _with_fixes(found: List[Any], fixing: "FileResult", done: Dict[str, str]) ->
     applied = {(f.line, f.col, f.code) for f in fixing.findings if f.fixed}
     edits = report.fix_edits(fixing.source, fixing.new_source)
     return report.with_edits(found, edits, lambda f: (f.line, f.col, f.code) in applied, done)
-
-
-def _check_output_file(path: str, inputs: Sequence[str]) -> None:
-    """Before any file is read: --output-file must not be one of the inputs and must be
-    writable, as `--report` (a usage error, exit 2)."""
-    try:
-        info: Optional[os.stat_result] = os.stat(path)
-    except OSError:
-        info = None
-    if info is not None:
-        if not stat.S_ISREG(info.st_mode):
-            raise click.UsageError(f"--output-file {path}: not a regular file")
-        if any(name != STDIN and os.path.exists(name) and os.path.samestat(info, os.stat(name)) for name in inputs):
-            raise click.UsageError(f"--output-file {path}: that is one of the inputs")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise click.UsageError(f"--output-file {path}: cannot write there")
 
 
 def _write_output_file(path: str, text: str) -> None:
