@@ -8,6 +8,7 @@ from gpumigrate.targets import TARGET_BASES, TARGETS, target_bases  # noqa: F401
 
 from gpumigrate.codemods.amp import AmpSetup, ApexAmp, DeprecatedCudaAmp, HalfTraining
 from gpumigrate.codemods.base import Rule
+from gpumigrate.codemods.deprecated import DeprecatedFunction, RemovedFunction
 from gpumigrate.codemods.device import (
     CudaCall,
     CudaSynchronize,
@@ -57,6 +58,7 @@ from gpumigrate.codemods.memory import (
     TensorInContainer,
 )
 from gpumigrate.codemods.speed import HostDeviceRoundtrip, LoaderNoPinMemory, LoaderNoWorkers
+from gpumigrate.rewriter.engine import set_noqa_aliases
 
 # In application order. GM205 repairs the source before parsing; the guard unwrapping of
 # GM103 needs GM101's rewrites of the guarded `.cuda()` calls.
@@ -77,6 +79,8 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     ScalarMetricAccumulation,
     IteratorNextMethod,
     DeprecatedOverload,
+    RemovedFunction,
+    DeprecatedFunction,
     TensorAccumulation,
     TensorInContainer,
     EvalWithoutNoGrad,
@@ -112,6 +116,18 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
 
 
 RULES_BY_CODE: Dict[str, Type[Rule]] = {rule.code: rule for rule in ALL_RULES}
+
+
+def torchfix_aliases() -> Dict[str, Tuple[str, ...]]:
+    """TorchFix code -> our codes that mean the same (the rules' `torchfix`), for noqa."""
+    out: Dict[str, Tuple[str, ...]] = {}
+    for rule in ALL_RULES:
+        for alias in getattr(rule, "torchfix", ()):
+            out[alias] = out.get(alias, ()) + (rule.code,)
+    return out
+
+
+set_noqa_aliases(torchfix_aliases())
 
 
 def fixed_codes(target: str) -> List[str]:

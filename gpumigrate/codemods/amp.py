@@ -940,6 +940,7 @@ class DeprecatedCudaAmp(Rule):
     message = "`torch.cuda.amp` is deprecated and CUDA-only; use `torch.amp`"
     fixed_in = frozenset({"amp"})
     triggers = ("amp",)
+    torchfix = ("TOR101",)  # TorchFix's deprecated-function check, for these symbols
 
     # a call qualified as torch.cuda.amp's autocast or GradScaler
     @classmethod

@@ -55,6 +55,10 @@ class Rule:
     lint: ClassVar[bool] = True
     # Lint-only rules whose findings a migration to these targets lists for review by hand.
     reported_in: ClassVar[FrozenSet[str]] = frozenset()
+    # The TorchFix codes whose findings this rule's mean the same (`# noqa: TOR101` is an
+    # alias of ours; output shows the code beside ours). A finding shows the first unless
+    # `report(torchfix=...)` names another (TOR103: an import line).
+    torchfix: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, ctx: FileContext) -> None:
         self.ctx = ctx
@@ -72,13 +76,14 @@ class Rule:
         return self.code in self.ctx.fixing
 
     def report(self, node: cst.CSTNode, message: Optional[str] = None, *, review: bool = False,
-               through: Optional[cst.CSTNode] = None, not_applied: str = "") -> None:
+               through: Optional[cst.CSTNode] = None, not_applied: str = "", torchfix: Optional[str] = None) -> None:
         """Report `node` (of the original tree). `review`: no safe fix here, a human must look.
         `through`: the fix spans statements up to this one. `not_applied`: the target (`ddp`)
         this review item says the file does not get (the summary line counts those files)."""
         fixable = bool(self.fixed_in) and not review
+        alias = torchfix if torchfix is not None else (self.torchfix[0] if self.torchfix else "")
         self.ctx.report(self.code, node, message or self.message, fixed=fixable, review=review, through=through,
-                        not_applied=not_applied)
+                        not_applied=not_applied, alias=alias)
 
     def qualify(self, node: cst.BaseExpression) -> Optional[str]:
         return self.ctx.names.qualify(node)

@@ -25,7 +25,7 @@ import warnings
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
@@ -60,6 +60,8 @@ class Finding:
     not_applied: str = ""
     # Information, neither a fix nor work for a human ("already uses torch.amp"): a note.
     note: bool = False
+    # Another tool's code for the same finding (TorchFix's `TOR101`), shown beside ours; "": none.
+    alias: str = ""
 
 
 @dataclass
@@ -96,6 +98,7 @@ class _Report:
     through: Optional[cst.CSTNode] = None  # the finding spans up to the end of this node
     not_applied: str = ""
     note: bool = False
+    alias: str = ""
 
 
 _CODES = r"(?::\s*(?P<codes>[A-Z]+[0-9]*(?:[\s,]+[A-Z]+[0-9]*)*))?"
@@ -110,9 +113,21 @@ def _noqa_codes(match: "re.Match[str]") -> Optional[List[str]]:
     return None if codes is None else [c for c in re.split(r"[\s,]+", codes.upper()) if c]
 
 
+# Another tool's codes -> ours that mean the same (`TOR101` -> GM212, GM503), so that its
+# `# noqa: TOR101` is honoured. The rules' package fills it (this package knows no rules).
+NOQA_ALIASES: Dict[str, Tuple[str, ...]] = {}
+
+
+def set_noqa_aliases(aliases: Mapping[str, Sequence[str]]) -> None:
+    """Make `# noqa: KEY` also suppress each code of `aliases[KEY]` (exact codes, upper case)."""
+    NOQA_ALIASES.clear()
+    NOQA_ALIASES.update({key.upper(): tuple(codes) for key, codes in aliases.items()})
+
+
 def _covers(codes: Optional[Sequence[str]], code: str) -> bool:
-    """Whether a noqa's codes (None: all codes) cover `code`; prefixes count (`GM1`)."""
-    return codes is None or any(code.startswith(c) for c in codes)
+    """Whether a noqa's codes (None: all codes) cover `code`; prefixes count (`GM1`), and an
+    alias (`TOR101`) covers the codes it stands for."""
+    return codes is None or any(code.startswith(c) or code in NOQA_ALIASES.get(c, ()) for c in codes)
 
 
 def file_noqa(text: str) -> Tuple[bool, List[str]]:
@@ -535,12 +550,14 @@ class FileContext:
         return "noqa" in self.text.lower()
 
     def report(self, code: str, node: cst.CSTNode, message: str, *, fixed: bool, review: bool,
-               through: Optional[cst.CSTNode] = None, not_applied: str = "", note: bool = False) -> None:
+               through: Optional[cst.CSTNode] = None, not_applied: str = "", note: bool = False,
+               alias: str = "") -> None:
         """Record a finding at `node` (a node of the original tree), spanning to the end of
         `through` when a fix covers several statements. `not_applied`: the target this
-        finding says the file did not get. `note`: information only."""
+        finding says the file did not get. `note`: information only. `alias`: another
+        tool's code for it."""
         self.reports.append(_Report(code, node, message, fixed, review, through=through, not_applied=not_applied,
-                                    note=note))
+                                    note=note, alias=alias))
 
     def add_import(self, module: str, name: Optional[str] = None, asname: Optional[str] = None) -> None:
         if (module, name, asname) not in self.imports_to_add:
@@ -1305,7 +1322,8 @@ def _findings(ctx: FileContext) -> List[Finding]:
             continue
         fixed = rep.fixed and (rep.code in ctx.fixing or (rep.node is None and bool(ctx.fixing)))
         out.append(Finding(rep.code, line, col, rep.message, fixed=fixed, review=rep.review, end_line=end,
-                           end_col=end_col, not_applied=rep.not_applied, note=rep.note))
+                           end_col=end_col, not_applied=rep.not_applied, note=rep.note,
+                           alias=rep.alias))
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out
 

@@ -1,0 +1,491 @@
+"""Removed and deprecated torch symbols, driven by the table of `deprecations.py`: GM211, GM212.
+
+GM211 is a use of a symbol today's torch no longer has (or keeps as a stub that raises):
+the script fails where it runs it, so `--to device` fixes it wherever the new call is
+provably the same, and lists the rest for review. GM212 is a symbol that still works but is
+deprecated: its drop-in replacements are fixed, the rest reported with what changes.
+
+Symbols other rules own are left to them: `torch.cuda.amp.autocast`/`GradScaler` (GM503),
+the renames of GM208 (`clip_grad_norm`, `nn.init.xavier_uniform`, `F.upsample`, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from gpumigrate.codemods.base import Clean, Flagged, Rule
+from gpumigrate.codemods.deprecations import CURRENT_TO, DEPRECATIONS, Deprecation, removed_by
+from gpumigrate.codemods.helpers import enclosing, get_arg, keyword_arg, literal_bool, with_args
+from gpumigrate.codemods.legacy import _RENAMES
+from gpumigrate.rewriter.facts import SourceFacts
+
+# Owned by other rules, which report and fix them (a symbol is reported by one rule only).
+_OWNED_ELSEWHERE: FrozenSet[str] = frozenset({"torch.cuda.amp.autocast", "torch.cuda.amp.GradScaler",
+                                              # modules and methods: names cannot be qualified
+                                              "torch.distributed.launch", "torch.Tensor.storage",
+                                              *_RENAMES})
+
+REMOVED: Dict[str, Deprecation] = {e.name: e for e in DEPRECATIONS
+                                   if removed_by(e, CURRENT_TO) and e.name not in _OWNED_ELSEWHERE}
+DEPRECATED: Dict[str, Deprecation] = {e.name: e for e in DEPRECATIONS
+                                      if not removed_by(e, CURRENT_TO) and e.name not in _OWNED_ELSEWHERE}
+
+
+def _last_names(entries: Dict[str, Deprecation]) -> Tuple[str, ...]:
+    return tuple(sorted({name.rsplit(".", 1)[1] for name in entries}))
+
+
+def _spell(rule: Rule, qualified: str, like: Optional[cst.BaseExpression] = None) -> cst.BaseExpression:
+    """How the script names `qualified`: as the replaced `like` spells the same package
+    (`foo.chain_matmul` with `import torch as foo`: `foo.linalg.multi_dot`), else with its own
+    imports, else in full (importing its top-level package)."""
+    if isinstance(like, cst.Attribute):
+        head = like
+        while isinstance(head, cst.Attribute):
+            head = head.value
+            known = rule.qualify(head)
+            if known and qualified.startswith(known + "."):
+                return cst.parse_expression(cst.Module([]).code_for_node(head) + qualified[len(known):])
+    local = rule.ctx.names.local_name_for(qualified)
+    if local is None:
+        rule.ctx.add_import(qualified.split(".", 1)[0])
+        local = qualified
+    return cst.parse_expression(local)
+
+
+def _plain(call: cst.Call) -> bool:
+    """No `*args`/`**kwargs`: every argument's meaning is known."""
+    return not any(a.star for a in call.args)
+
+
+class _TableRule(Rule):
+    """Shared: find every use (call or not) and import line of a table symbol."""
+
+    entries: Dict[str, Deprecation] = {}
+    kind = ""
+
+    def _uses_of(self, node: cst.BaseExpression) -> Optional[Deprecation]:
+        if enclosing(self.ctx.ancestors, cst.ImportFrom) or enclosing(self.ctx.ancestors, cst.Import):
+            return None
+        qualified = self.qualify(node)
+        return self.entries.get(qualified) if qualified else None
+
+    def _describe(self, entry: Deprecation) -> str:
+        return f"`{entry.name}` is {self.kind}; use `{entry.replacement}` ({entry.note})"
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if isinstance(node.names, cst.ImportStar) or node.relative:
+            return
+        module = cst.Module([]).code_for_node(node.module) if node.module is not None else ""
+        for alias in node.names:
+            name = f"{module}.{cst.Module([]).code_for_node(alias.name)}"
+            entry = self.entries.get(name)
+            if entry is not None:
+                self._import_line(node, alias, entry)
+
+    def _import_line(self, node: cst.ImportFrom, alias: cst.ImportAlias, entry: Deprecation) -> None:
+        self.report(alias, f"import of {self._describe(entry)}", review=True, torchfix=self.torchfix[1])
+
+
+class RemovedFunction(_TableRule):
+    """
+    ## What it does
+    Finds uses of torch functions that today's torch has removed (`torch.solve`,
+    `torch.symeig`, `torch.lstsq`, `torch.eig`, `torch.matrix_rank`, ...) and the
+    `from torch import solve` lines that import them. TorchFix calls these TOR001 and TOR004.
+
+    ## Why is this bad?
+    The script fails where it calls them: torch keeps stubs that raise `RuntimeError`
+    ("This function was deprecated since version 1.9 and is now removed").
+
+    ## Example
+    ```python
+    x = torch.solve(B, A)[0]
+    e, v = torch.symeig(A, eigenvectors=True)
+    r = torch.matrix_rank(A)
+    ```
+
+    ## Use instead
+    ```python
+    x = torch.linalg.solve(A, B)
+    e, v = torch.linalg.eigh(A, UPLO="U")
+    r = torch.linalg.matrix_rank(A)
+    ```
+    `--to device` fixes a call where the new one gives the same result: `torch.solve`
+    whose solution alone is read (`[0]`, `.solution`, `x, _ = ...`); `torch.symeig` with
+    literal `eigenvectors`/`upper` (eigenvalues only: `torch.linalg.eigvalsh`, where the empty
+    second result is not read); `torch.matrix_rank(A)`. The others (`torch.lstsq`, whose
+    solution has another shape; `torch.eig`, whose results are complex) are listed for review
+    with their replacement.
+    """
+
+    code = "GM211"
+    name = "removed-function"
+    message = "removed torch function"
+    done = "removed torch function → its `torch.linalg` replacement"
+    fixed_in = frozenset({"device"})
+    torchfix = ("TOR001", "TOR004")
+    entries = REMOVED
+    kind = "removed"
+    _names = _last_names(REMOVED)
+
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id(*cls._names)
+
+    examples = (
+        Flagged("import torch\nx = torch.solve(B, A)[0]\n", fixed="import torch\nx = torch.linalg.solve(A, B)\n"),
+        Flagged("import torch\nx = torch.solve(B, A).solution\n",
+                fixed="import torch\nx = torch.linalg.solve(A, B)\n"),
+        Flagged("import torch\nx, _ = torch.solve(B, A)\n", fixed="import torch\nx = torch.linalg.solve(A, B)\n"),
+        Flagged("import torch\nx, lu = torch.solve(B, A)\n"),  # LU is read: review
+        Flagged("import torch\ne, v = torch.symeig(A, eigenvectors=True)\n",
+                fixed='import torch\ne, v = torch.linalg.eigh(A, UPLO="U")\n'),
+        Flagged("import torch\ne, v = torch.symeig(A, True, False)\n",
+                fixed='import torch\ne, v = torch.linalg.eigh(A, UPLO="L")\n'),
+        Flagged("import torch\ne = torch.symeig(A)[0]\n", fixed='import torch\ne = torch.linalg.eigvalsh(A, UPLO="U")\n'),
+        Flagged("import torch\nE, Z = torch.symeig(A, eigenvectors, True)\n"),  # not a literal: review
+        Flagged("import torch as tt\nr = tt.matrix_rank(A)\n", fixed="import torch as tt\nr = tt.linalg.matrix_rank(A)\n"),
+        Flagged("import torch\nx = torch.lstsq(B, A)[0]\n"),  # shape differs: review
+        Flagged("import torch\nw, v = torch.eig(A, eigenvectors=True)\n"),
+        Flagged("from torch import symeig as xxx\nE, Z = xxx(A, eigenvectors=True)\n",
+                fixed='from torch import symeig as xxx\nimport torch\n\nE, Z = torch.linalg.eigh(A, UPLO="U")\n'),
+        Clean("import torch\nx = torch.linalg.solve(A, B)\ne, v = torch.linalg.eigh(A)\n"),
+        Clean("import numpy as np\nx = np.linalg.solve(A, B)\ns = solve(B, A)\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.replace: Dict[int, str] = {}  # id of a node (original tree) -> how it is fixed
+
+    def _parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
+        return self.ctx.index.parent.get(id(node))
+
+    def _first_only(self, call: cst.Call) -> Optional[Tuple[cst.CSTNode, str]]:
+        """Where only the first of a (solution, other) result is read: the node to replace
+        and how ("first": `r[0]` or `r.<name>`; "assign": `x, _ = r`)."""
+        above = self._parent(call)
+        if isinstance(above, cst.Subscript) and above.value is call and len(above.slice) == 1 \
+                and isinstance(above.slice[0].slice, cst.Index) \
+                and isinstance(above.slice[0].slice.value, cst.Integer) and above.slice[0].slice.value.value == "0":
+            return above, "first"
+        if isinstance(above, cst.Attribute) and above.value is call and above.attr.value in ("solution", "eigenvalues"):
+            return above, "first"
+        if isinstance(above, cst.Assign) and above.value is call and len(above.targets) == 1:
+            target = above.targets[0].target
+            if isinstance(target, (cst.Tuple, cst.List)) and len(target.elements) == 2 \
+                    and all(isinstance(e, cst.Element) and isinstance(e.value, cst.Name) for e in target.elements) \
+                    and target.elements[1].value.value == "_":
+                return above, "assign"
+        return None
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        entry = self._uses_of(original.func)
+        if entry is None:
+            return None
+        new = self._fix(entry, original, updated)
+        if new is None:
+            self.report(original.func, self._describe(entry), review=True)
+            return None
+        self.report(original.func, f"`{entry.name}` → `{entry.replacement}`" if self.fixing
+                    else f"{self._describe(entry)}; `--to device` fixes it")
+        return new if self.fixing else None
+
+    def _fix(self, entry: Deprecation, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+        if not _plain(original):
+            return None
+        name = entry.name
+        if name == "torch.solve":
+            if len(original.args) != 2 or any(a.keyword for a in original.args):
+                return None
+            where = self._first_only(original)
+            if where is None:
+                return None
+            self.replace[id(where[0])] = where[1]
+            b, a = updated.args
+            return updated.with_changes(func=_spell(self, "torch.linalg.solve", original.func) if self.fixing
+                                        else updated.func,
+                                        args=[a.with_changes(comma=b.comma), b.with_changes(comma=a.comma)])
+        if name == "torch.symeig":
+            vectors = get_arg(original, "eigenvectors", 1)
+            upper = get_arg(original, "upper", 2)
+            if len(original.args) != 1 + (vectors is not None) + (upper is not None):
+                return None
+            want_vectors = False if vectors is None else literal_bool(vectors.value)
+            is_upper = True if upper is None else literal_bool(upper.value)
+            if want_vectors is None or is_upper is None:
+                return None
+            if not want_vectors:  # the second result is an empty tensor: only the first may be read
+                where = self._first_only(original)
+                if where is None:
+                    return None
+                self.replace[id(where[0])] = where[1]
+            func = "torch.linalg.eigh" if want_vectors else "torch.linalg.eigvalsh"
+            uplo = keyword_arg("UPLO", cst.SimpleString('"U"' if is_upper else '"L"'))
+            first = updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            return with_args(updated.with_changes(func=_spell(self, func, original.func) if self.fixing
+                                                  else updated.func),
+                             [first, uplo])
+        if name == "torch.matrix_rank":
+            # the default tolerance is the same (σ_max · max(m, n) · eps); `tol=` is not
+            if len(original.args) != 1 or original.args[0].keyword is not None:
+                return None
+            return updated.with_changes(func=_spell(self, "torch.linalg.matrix_rank", original.func) if self.fixing
+                                        else updated.func)
+        return None  # torch.lstsq (another shape), torch.eig (complex), ...: review
+
+    def _collapse(self, original: cst.CSTNode, updated: cst.CSTNode):
+        how = self.replace.get(id(original)) if self.fixing else None
+        if how == "first":
+            return updated.value
+        if how == "assign":
+            first = updated.targets[0].target.elements[0].value
+            return updated.with_changes(targets=[updated.targets[0].with_changes(target=first)])
+        return None
+
+    def leave_Subscript(self, original: cst.Subscript, updated: cst.Subscript):
+        return self._collapse(original, updated)
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        return self._collapse(original, updated)
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign):
+        return self._collapse(original, updated)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self._not_called(node)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self._not_called(node)
+
+    def _not_called(self, node: cst.BaseExpression) -> None:
+        """A use that is not a call (`f = torch.solve`, `torch._six.inf`): reported for review."""
+        above = self._parent(node)
+        if isinstance(above, cst.Call) and above.func is node or isinstance(above, cst.Attribute) and above.attr is node:
+            return
+        entry = self._uses_of(node)
+        if entry is not None:
+            self.report(node, self._describe(entry), review=True)
+
+
+class DeprecatedFunction(_TableRule):
+    """
+    ## What it does
+    Finds uses of deprecated torch functions and classes (`torch.qr`, `torch.chain_matmul`,
+    `torch.cholesky`, `torch.ger`, `functorch.vmap`, `torch.nn.UpsamplingNearest2d`,
+    `torch.backends.cuda.sdp_kernel`, ...; the table of `gpumigrate/codemods/deprecations.py`)
+    and the lines that import them. TorchFix calls these TOR101 and TOR103.
+
+    ## Why is this bad?
+    They warn (some on every call) and are removed one release at a time: `torch.solve` and
+    `torch.symeig` went this way. The replacements differ in small ways the message names.
+
+    ## Example
+    ```python
+    q, r = torch.qr(A)
+    y = torch.chain_matmul(a, b, c)
+    g = functorch.vmap(f)
+    ```
+
+    ## Use instead
+    ```python
+    q, r = torch.linalg.qr(A)
+    y = torch.linalg.multi_dot([a, b, c])
+    g = torch.func.vmap(f)
+    ```
+    `--to device` fixes the drop-in replacements (same arguments), `torch.chain_matmul`,
+    `torch.qr` with a literal `some`, `torch.cholesky` with a literal `upper`, and `from
+    functorch import vmap` lines; the rest is reported with what changes. `torch.cuda.amp`
+    is GM503's, and the renames of GM208 (`clip_grad_norm`, `nn.init.xavier_uniform`,
+    `F.upsample`) are that rule's.
+    """
+
+    code = "GM212"
+    name = "deprecated-function"
+    message = "deprecated torch function"
+    done = "deprecated torch function → its replacement"
+    fixed_in = frozenset({"device"})
+    torchfix = ("TOR101", "TOR103")
+    entries = DEPRECATED
+    kind = "deprecated"
+    _names = _last_names(DEPRECATED)
+
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_id(*cls._names)
+
+    examples = (
+        Flagged("import torch\nq, r = torch.qr(A)\n", fixed="import torch\nq, r = torch.linalg.qr(A)\n"),
+        Flagged("import torch\nq, r = torch.qr(A, some=False)\n",
+                fixed="import torch\nq, r = torch.linalg.qr(A, mode=\"complete\")\n"),
+        Flagged("import torch\ny = torch.chain_matmul(a, b, c)\n",
+                fixed="import torch\ny = torch.linalg.multi_dot([a, b, c])\n"),
+        Flagged("import torch\nu = torch.cholesky(A, upper=True)\n",
+                fixed="import torch\nu = torch.linalg.cholesky(A).mH\n"),
+        Flagged("import torch\no = torch.ger(a, b)\n", fixed="import torch\no = torch.outer(a, b)\n"),
+        Flagged("import functorch\ng = functorch.vmap(f, (None, 0))\n",
+                fixed="import functorch\nimport torch\n\ng = torch.func.vmap(f, (None, 0))\n"),
+        Flagged("from functorch import vmap, jacrev\ng = vmap(jacrev(f))\n",
+                fixed="from torch.func import vmap, jacrev\ng = vmap(jacrev(f))\n"),
+        Flagged("import torch\nn = torch.nn.init.eye(w)\n", fixed="import torch\nn = torch.nn.init.eye_(w)\n"),
+        Flagged("from torch import ger\no = ger(a, b)\nf = ger\n", fixed="from torch import outer\no = outer(a, b)\nf = outer\n"),
+        Flagged("import torch as foo\ny = foo.chain_matmul(a, b, out=o)\n",
+                fixed="import torch as foo\ny = foo.linalg.multi_dot([a, b], out=o)\n"),
+        Flagged("import torch\nwith torch.backends.cuda.sdp_kernel(enable_math=False):\n    pass\n"),
+        Flagged("from torch import qr as old_qr\nq, r = old_qr(A)\n",
+                fixed="from torch import qr as old_qr\nimport torch\n\nq, r = torch.linalg.qr(A)\n"),
+        Flagged("import torch\nm = torch.nn.UpsamplingNearest2d(scale_factor=2)\n"),
+        Clean("import torch\nq, r = torch.linalg.qr(A)\ny = torch.linalg.multi_dot([a, b])\n"),
+        Clean("import torch\nwith torch.cuda.amp.autocast():\n    pass\n"),  # GM503's
+        Clean("import torch\ntorch.nn.utils.clip_grad_norm(ps, 1.0)\n"),  # GM208's
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        # local names whose from-import line is fixed -> the name they take (`ger` -> `outer`)
+        self.rewritten_imports: Dict[str, str] = {}
+
+    def _import_fix(self, node: cst.ImportFrom) -> Optional[str]:
+        """The module every name of `from M import a, b` moves to, when each has a drop-in
+        there (`from functorch import vmap` → `from torch.func import vmap`)."""
+        module = cst.Module([]).code_for_node(node.module) if node.module is not None else ""
+        targets = set()
+        for alias in node.names:
+            entry = self.entries.get(f"{module}.{cst.Module([]).code_for_node(alias.name)}")
+            if entry is None or not entry.drop_in or "." not in entry.replacement:
+                return None
+            targets.add(entry.replacement.rsplit(".", 1)[0])
+        return targets.pop() if len(targets) == 1 else None
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        self.fix_to = None
+        if not isinstance(node.names, cst.ImportStar) and not node.relative:
+            self.fix_to = self._import_fix(node)
+            if self.fix_to is not None:
+                for alias in node.names:
+                    local = alias.asname.name if alias.asname is not None else alias.name
+                    new = self._renamed_alias(node, alias)
+                    if isinstance(local, cst.Name):
+                        self.rewritten_imports[local.value] = local.value if alias.asname is not None else new
+        super().visit_ImportFrom(node)
+
+    def _import_line(self, node: cst.ImportFrom, alias: cst.ImportAlias, entry: Deprecation) -> None:
+        if self.fix_to is not None:
+            self.report(alias, f"import of `{entry.name}` → `{entry.replacement}`" if self.fixing
+                        else f"import of {self._describe(entry)}; `--to device` fixes it", torchfix=self.torchfix[1])
+        else:
+            super()._import_line(node, alias, entry)
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom):
+        if not self.fixing or isinstance(original.names, cst.ImportStar) or original.relative:
+            return None
+        to = self._import_fix(original)
+        if to is None:
+            return None
+        names = [alias.with_changes(name=cst.Name(self._renamed_alias(original, old)))
+                 for old, alias in zip(original.names, updated.names)]
+        return updated.with_changes(module=cst.parse_expression(to), names=names)
+
+    def _renamed_alias(self, node: cst.ImportFrom, alias: cst.ImportAlias) -> str:
+        module = cst.Module([]).code_for_node(node.module) if node.module is not None else ""
+        entry = self.entries[f"{module}.{cst.Module([]).code_for_node(alias.name)}"]
+        return entry.replacement.rsplit(".", 1)[1]
+
+    def _fix(self, entry: Deprecation, original: cst.Call, updated: cst.Call, node: cst.BaseExpression):
+        """The fixed call (or name, `call` None), or None: report for review."""
+        name = entry.name
+        if isinstance(node, cst.Name) and node.value in self.rewritten_imports:
+            new = self.rewritten_imports[node.value]  # the import line is fixed: the name stays or follows it
+            return "import" if new == node.value else cst.Name(new)
+        if entry.drop_in:
+            return "name"
+        if original is None or not _plain(original):
+            return None
+        if name == "torch.chain_matmul":
+            keywords = [a for a in updated.args if a.keyword is not None]
+            matrices = [a for a in updated.args if a.keyword is None]
+            if not matrices or any(a.keyword.value != "out" for a in keywords):
+                return None  # `out=` is multi_dot's too
+            items = [cst.Element(a.value) for a in matrices]
+            return with_args(updated.with_changes(func=self._new(original, "torch.linalg.multi_dot")),
+                             [cst.Arg(cst.List(items)), *keywords])
+        if name == "torch.qr":
+            some = get_arg(original, "some", 1)
+            if len(original.args) != 1 + (some is not None):
+                return None
+            mode = True if some is None else literal_bool(some.value)
+            if mode is None:
+                return None
+            args = [updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+            if not mode:
+                args.append(keyword_arg("mode", cst.SimpleString('"complete"')))
+            return with_args(updated.with_changes(func=self._new(original, "torch.linalg.qr")), args)
+        if name == "torch.cholesky":
+            upper = get_arg(original, "upper", 1)
+            if len(original.args) != 1 + (upper is not None):
+                return None
+            is_upper = False if upper is None else literal_bool(upper.value)
+            if is_upper is None:
+                return None
+            call = with_args(updated.with_changes(func=self._new(original, "torch.linalg.cholesky")),
+                             [updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
+            return cst.Attribute(call, cst.Name("mH")) if is_upper else call
+        return None
+
+    def _new(self, original: cst.Call, qualified: str) -> cst.BaseExpression:
+        return _spell(self, qualified, original.func) if self.fixing else cst.Name("_")
+
+    def _handle(self, node: cst.BaseExpression, call: Optional[cst.Call], updated: Optional[cst.Call]):
+        entry = self._uses_of(node)
+        if entry is None:
+            return None
+        how = self._fix(entry, call, updated, node)
+        if how is None:
+            self.report(node, self._describe(entry), review=True)
+            return None
+        self.report(node, f"`{entry.name}` → `{entry.replacement}`" if self.fixing
+                    else f"{self._describe(entry)}; `--to device` fixes it")
+        if not self.fixing or how == "import":
+            return None
+        return how
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        how = self._handle(original.func, original, updated)
+        if how is None:
+            return None
+        if how == "name":
+            return updated.with_changes(func=_spell(self, self.entries[self.qualify(original.func)].replacement,
+                                                    original.func))
+        if isinstance(how, cst.Name):
+            return updated.with_changes(func=how)
+        return how
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self._not_called(node)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self._not_called(node)
+
+    def _not_called(self, node: cst.BaseExpression) -> None:
+        above = self.ctx.index.parent.get(id(node))
+        if isinstance(above, cst.Call) and above.func is node or isinstance(above, cst.Attribute) and above.attr is node:
+            return
+        entry = self._uses_of(node)
+        if entry is None:
+            return
+        self.pending = getattr(self, "pending", {})
+        how = self._handle(node, None, None)
+        if how == "name" or isinstance(how, cst.Name):
+            self.pending[id(node)] = entry.replacement if how == "name" else how
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name):
+        return self._renamed(original)
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        return self._renamed(original)
+
+    def _renamed(self, original: cst.BaseExpression):
+        new = getattr(self, "pending", {}).get(id(original))
+        if isinstance(new, cst.Name):
+            return new
+        return _spell(self, new, original) if new and self.fixing else None
