@@ -57,7 +57,10 @@ from gpumigrate.codemods.memory import (
     TensorAccumulation,
     TensorInContainer,
 )
-from gpumigrate.codemods.speed import HostDeviceRoundtrip, LoaderNoPinMemory, LoaderNoWorkers
+from gpumigrate.codemods.speed import HostDeviceRoundtrip, LoaderNoPinMemory, LoaderNoWorkers, ZeroGradToZero
+from gpumigrate.codemods.api import CheckpointReentrant, NonPublicCollate, RequireGradTypo
+from gpumigrate.codemods.numerics import Expm1, Log1p, LogSumExp
+from gpumigrate.codemods.vision import V2ToTensor, VisionModuleImport, VisionPretrained
 from gpumigrate.rewriter.engine import set_noqa_aliases
 
 # In application order. GM205 repairs the source before parsing; the guard unwrapping of
@@ -104,6 +107,11 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     ApexAmp,
     HalfTraining,
     DeprecatedCudaAmp,
+    RequireGradTypo,
+    CheckpointReentrant,
+    NonPublicCollate,
+    VisionPretrained,
+    VisionModuleImport,
     # report only: no safe mechanical fix
     DiscardedMove,
     DataAttribute,
@@ -112,6 +120,11 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     LoaderNoWorkers,
     LoaderNoPinMemory,
     HostDeviceRoundtrip,
+    ZeroGradToZero,
+    Log1p,
+    Expm1,
+    LogSumExp,
+    V2ToTensor,
 )
 
 

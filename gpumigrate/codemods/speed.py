@@ -1,4 +1,4 @@
-"""Speed: data loading and host-device copies that make the GPU wait. GM601-GM603.
+"""Speed: data loading and host-device copies that make the GPU wait. GM601-GM604.
 
 These find slow patterns that have no mechanical fix (how many workers, whether a copy is
 needed are the author's choices): lint reports them, and the device migration lists GM603
@@ -11,6 +11,7 @@ import re
 from typing import Dict, List, Optional, Set, Tuple, Union
 
 import libcst as cst
+import libcst.matchers as m
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis.structure import target_names
@@ -386,3 +387,49 @@ class HostDeviceRoundtrip(Rule):
             self.report(node, f"`{root}` was moved to the host with `.cpu()` on line {line} and comes back to "
                               f"the device here, every iteration; keep it on the device and copy to the host "
                               f"only what the host needs")
+
+
+class ZeroGradToZero(Rule):
+    """
+    ## What it does
+    Finds `zero_grad(set_to_none=False)` (TorchFix TOR402).
+
+    ## Why is this bad?
+    Writing zeros into every gradient costs a kernel and memory traffic per parameter
+    each step; setting them to `None` (the default since torch 2.0) costs nothing, and the
+    next backward allocates them.
+
+    ## Example
+    ```python
+    optimizer.zero_grad(set_to_none=False)
+    ```
+
+    ## Use instead
+    ```python
+    optimizer.zero_grad()
+    ```
+    Lint-only: code that reads `.grad` after zeroing (a norm, a hook, an in-place `add_`)
+    would find `None` instead of zeros; the author checks.
+    """
+
+    code = "GM604"
+    name = "zero-grad-to-zero"
+    torchfix = ("TOR402",)
+    message = "`zero_grad(set_to_none=False)` writes zeros into every gradient; `zero_grad()` sets them to None"
+    triggers = ("zero_grad",)
+
+    examples = (
+        Flagged("optimizer.zero_grad(set_to_none=False)\n"),
+        Flagged("model.zero_grad(False)\n"),
+        Clean("optimizer.zero_grad()\nmodel.zero_grad(set_to_none=True)\n"),
+    )
+
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:
+        return facts.any_call("zero_grad")
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if is_method_call(node, "zero_grad"):
+            arg = get_arg(node, "set_to_none", 0)
+            if arg is not None and m.matches(arg.value, m.Name("False")):
+                self.report(node)
