@@ -889,6 +889,9 @@ def explain(code: str) -> None:
         raise click.BadParameter(exc.message.replace("no rule matches", "no rule"), param_hint="CODE") from None
     fix = ", ".join(sorted(rule.fixed_in)) or "none (lint only)"
     _echo(f"{rule.code} ({rule.name})\n\n{rule.message}{opt_in_note(rule)}\n\nFixed by the migration to: {fix}\n")
+    if getattr(rule, "torchfix", ()):
+        codes = ", ".join(rule.torchfix)
+        _echo(f"TorchFix codes: {codes} (`# noqa: {rule.torchfix[0]}` suppresses it as `# noqa: {rule.code}` does)\n")
     _echo(rule.docs())
     flagged = [e for e in rule.examples if isinstance(e, Flagged)]
     clean = [e for e in rule.examples if isinstance(e, Clean)]

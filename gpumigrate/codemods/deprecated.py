@@ -40,7 +40,7 @@ def _last_names(entries: Dict[str, Deprecation]) -> Tuple[str, ...]:
 def _spell(rule: Rule, qualified: str, like: Optional[cst.BaseExpression] = None) -> cst.BaseExpression:
     """How the script names `qualified`: as the replaced `like` spells the same package
     (`foo.chain_matmul` with `import torch as foo`: `foo.linalg.multi_dot`), else with its own
-    imports, else in full (importing its top-level package)."""
+    package's name, importing it if need be."""
     if isinstance(like, cst.Attribute):
         head = like
         while isinstance(head, cst.Attribute):
@@ -48,11 +48,14 @@ def _spell(rule: Rule, qualified: str, like: Optional[cst.BaseExpression] = None
             known = rule.qualify(head)
             if known and qualified.startswith(known + "."):
                 return cst.parse_expression(cst.Module([]).code_for_node(head) + qualified[len(known):])
-    local = rule.ctx.names.local_name_for(qualified)
-    if local is None:
-        rule.ctx.add_import(qualified.split(".", 1)[0])
-        local = qualified
-    return cst.parse_expression(local)
+    # the package's own name (`torch`, `tt`), not a from-import of a part of it, which may
+    # be bound only further down (`from torch.utils import _pytree as xx` after the use)
+    top, _, rest = qualified.partition(".")
+    local = rule.ctx.names.local_name_for(top)
+    if local is None or "." in local:
+        rule.ctx.add_import(top)
+        local = top
+    return cst.parse_expression(f"{local}.{rest}" if rest else local)
 
 
 def _plain(call: cst.Call) -> bool:
@@ -269,6 +272,16 @@ class RemovedFunction(_TableRule):
             self.report(node, self._describe(entry), review=True)
 
 
+# old name -> (new name, device, the old positional parameters that must become keywords)
+_AMP_MOVES: Dict[str, Tuple[str, str, Optional[Tuple[str, ...]]]] = {
+    "torch.cpu.amp.autocast": ("torch.amp.autocast", "cpu", ("enabled", "dtype", "cache_enabled")),
+    "torch.cpu.amp.GradScaler": ("torch.amp.GradScaler", "cpu", None),
+    "torch.cuda.amp.custom_fwd": ("torch.amp.custom_fwd", "cuda", ("fwd",)),
+    "torch.cuda.amp.custom_bwd": ("torch.amp.custom_bwd", "cuda", ("bwd",)),
+}
+_PYTREE_KEYWORDS = frozenset({"serialized_type_name", "to_dumpable_context", "from_dumpable_context"})
+
+
 class DeprecatedFunction(_TableRule):
     """
     ## What it does
@@ -336,6 +349,18 @@ class DeprecatedFunction(_TableRule):
         Flagged("from torch import qr as old_qr\nq, r = old_qr(A)\n",
                 fixed="from torch import qr as old_qr\nimport torch\n\nq, r = torch.linalg.qr(A)\n"),
         Flagged("import torch\nm = torch.nn.UpsamplingNearest2d(scale_factor=2)\n"),
+        Flagged("import torch\nwith torch.cpu.amp.autocast(True, torch.bfloat16):\n    pass\n",
+                fixed='import torch\nwith torch.amp.autocast("cpu", enabled=True, dtype=torch.bfloat16):\n    pass\n'),
+        Flagged("import torch\ns = torch.cpu.amp.GradScaler(2.0 ** 10)\n",
+                fixed='import torch\ns = torch.amp.GradScaler("cpu", 2.0 ** 10)\n'),
+        Flagged("import torch\n@torch.cuda.amp.custom_fwd\ndef f(ctx, x):\n    return x\n",
+                fixed='import torch\n@torch.amp.custom_fwd(device_type="cuda")\ndef f(ctx, x):\n    return x\n'),
+        Flagged("import torch\n@torch.cuda.amp.custom_fwd(cast_inputs=torch.float32)\ndef f(ctx, x):\n    return x\n",
+                fixed='import torch\n@torch.amp.custom_fwd(cast_inputs=torch.float32, device_type="cuda")\n'
+                      'def f(ctx, x):\n    return x\n'),
+        Flagged("import torch.utils._pytree as pytree\npytree._register_pytree_node(C, flat, unflat)\n",
+                fixed="import torch.utils._pytree as pytree\npytree.register_pytree_node(C, flat, unflat)\n"),
+        Flagged("import torch.utils._pytree as pytree\npytree._register_pytree_node(C, flat, unflat, to_str)\n"),
         Clean("import torch\nq, r = torch.linalg.qr(A)\ny = torch.linalg.multi_dot([a, b])\n"),
         Clean("import torch\nwith torch.cuda.amp.autocast():\n    pass\n"),  # GM503's
         Clean("import torch\ntorch.nn.utils.clip_grad_norm(ps, 1.0)\n"),  # GM208's
@@ -399,6 +424,9 @@ class DeprecatedFunction(_TableRule):
             return "import" if new == node.value else cst.Name(new)
         if entry.drop_in:
             return "name"
+        if original is None and name in _AMP_MOVES and name.endswith(("custom_fwd", "custom_bwd")) \
+                and isinstance(self.ctx.index.parent.get(id(node)), cst.Decorator):
+            return self._amp(name, None, None) if self.fixing else "name"  # `@torch.cuda.amp.custom_fwd`
         if original is None or not _plain(original):
             return None
         if name == "torch.chain_matmul":
@@ -430,10 +458,41 @@ class DeprecatedFunction(_TableRule):
             call = with_args(updated.with_changes(func=self._new(original, "torch.linalg.cholesky")),
                              [updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
             return cst.Attribute(call, cst.Name("mH")) if is_upper else call
+        if name in _AMP_MOVES:
+            return self._amp(name, original, updated)
+        if name == "torch.utils._pytree._register_pytree_node":
+            # the same for three arguments and the keywords both take; to_str_fn/maybe_from_str_fn are gone
+            keywords = {a.keyword.value for a in original.args if a.keyword is not None}
+            if sum(a.keyword is None for a in original.args) > 3 or keywords - _PYTREE_KEYWORDS:
+                return None
+            return updated.with_changes(func=self._new(original, entry.replacement))
         return None
 
-    def _new(self, original: cst.Call, qualified: str) -> cst.BaseExpression:
-        return _spell(self, qualified, original.func) if self.fixing else cst.Name("_")
+    def _amp(self, name: str, original: Optional[cst.Call], updated: Optional[cst.Call]) -> Optional[cst.BaseExpression]:
+        """`torch.cpu.amp.autocast(True)` → `torch.amp.autocast("cpu", enabled=True)` (the old
+        positionals are keyworded: the new second is `dtype`), `torch.cpu.amp.GradScaler(...)`
+        → `torch.amp.GradScaler("cpu", ...)` (the same order after the device),
+        `torch.cuda.amp.custom_fwd(...)` → `torch.amp.custom_fwd(..., device_type="cuda")`."""
+        new, device, positional = _AMP_MOVES[name]
+        func = self._new(original, new)
+        old = list(updated.args) if updated is not None else []
+        given = [a for a in old if a.keyword is None]
+        if len(given) > len(positional) if positional is not None else False:
+            return None
+        device_arg = cst.Arg(cst.SimpleString(f'"{device}"'))
+        if name.endswith(("custom_fwd", "custom_bwd")):
+            args = [*old, keyword_arg("device_type", device_arg.value)]
+        elif positional is None:  # GradScaler: every argument keeps its place after the device
+            args = [device_arg, *old]
+        else:
+            named = [keyword_arg(p, a.value) for p, a in zip(positional, given)]
+            args = [device_arg, *named, *(a for a in old if a.keyword is not None)]
+        call = cst.Call(func=func) if updated is None else updated.with_changes(func=func)
+        return with_args(call, args)
+
+    def _new(self, original: Optional[cst.Call], qualified: str) -> cst.BaseExpression:
+        return _spell(self, qualified, original.func if original is not None else None) if self.fixing \
+            else cst.Name("_")
 
     def _handle(self, node: cst.BaseExpression, call: Optional[cst.Call], updated: Optional[cst.Call]):
         entry = self._uses_of(node)
@@ -475,8 +534,10 @@ class DeprecatedFunction(_TableRule):
             return
         self.pending = getattr(self, "pending", {})
         how = self._handle(node, None, None)
-        if how == "name" or isinstance(how, cst.Name):
-            self.pending[id(node)] = entry.replacement if how == "name" else how
+        if how == "name":
+            self.pending[id(node)] = entry.replacement
+        elif isinstance(how, cst.BaseExpression):
+            self.pending[id(node)] = how
 
     def leave_Name(self, original: cst.Name, updated: cst.Name):
         return self._renamed(original)
@@ -486,6 +547,6 @@ class DeprecatedFunction(_TableRule):
 
     def _renamed(self, original: cst.BaseExpression):
         new = getattr(self, "pending", {}).get(id(original))
-        if isinstance(new, cst.Name):
+        if isinstance(new, cst.BaseExpression):
             return new
         return _spell(self, new, original) if new and self.fixing else None

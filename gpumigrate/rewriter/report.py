@@ -94,16 +94,23 @@ def location(path: str, finding: Finding) -> str:
     return f"{path}:{cell}{finding.line}:{finding.col + 1}"
 
 
+def _alias(finding: Finding) -> str:
+    """` [TOR101]`: the other tool's code for the finding, after ours (so `path:line:col: CODE`
+    still starts every line), or ''."""
+    return f" [{finding.alias}]" if finding.alias else ""
+
+
 def as_text(items: Sequence[Located], styled: bool = False) -> str:
-    """`path:line:col: CODE message` lines; `styled`: path bold, code bold red, as ruff
+    """`path:line:col: CODE [ALIAS] message` lines; `styled`: path bold, code bold red, as ruff
     (click.echo drops the styles where colour is off)."""
     if not styled:
-        return "".join(f"{location(i.path, i.finding)}: {i.finding.code} {i.finding.message}\n" for i in items)
+        return "".join(f"{location(i.path, i.finding)}: {i.finding.code}{_alias(i.finding)} {i.finding.message}\n"
+                       for i in items)
     out = []
     for i in items:
         where = location(i.path, i.finding)[len(i.path):]
         out.append(f"{click.style(i.path, bold=True)}{click.style(where + ':', fg='cyan')} "
-                   f"{click.style(i.finding.code, fg='red', bold=True)} {i.finding.message}\n")
+                   f"{click.style(i.finding.code, fg='red', bold=True)}{_alias(i.finding)} {i.finding.message}\n")
     return "".join(out)
 
 
@@ -176,6 +183,8 @@ def as_json(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> str:
             "fix": _fix_json(i),
             # notebooks: the cell (1-based, every cell counted); line and column are in it
             **({"cell": i.finding.cell} if i.finding.cell else {}),
+            # TorchFix's code for the same finding (`TOR101`), where there is one
+            **({"torchfix": i.finding.alias} if i.finding.alias else {}),
         }
         for i in items
     ]

@@ -1,0 +1,176 @@
+"""GM211 removed-function, GM212 deprecated-function, and TorchFix codes as aliases of ours
+(`# noqa: TOR101`, `[TOR101]` in text output, `"torchfix"` in JSON, `explain`)."""
+
+import json
+import shutil
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from gpumigrate.cli import main
+from gpumigrate.codemods import RULES_BY_CODE, select
+from gpumigrate.codemods.deprecated import DEPRECATED, REMOVED
+from gpumigrate.codemods.deprecations import DEPRECATIONS
+from tests.conftest import FIXTURES, lint, migrate, run_script
+
+GM211, GM212 = RULES_BY_CODE["GM211"], RULES_BY_CODE["GM212"]
+
+
+def codes(source: str, rules=None):
+    """(line, code) of what `gpumigrate lint` reports (every lint rule unless `rules`)."""
+    rules = select([], []) if rules is None else rules
+    return [(f.line, f.code) for f in lint(textwrap.dedent(source).encode(), list(rules)).findings]
+
+
+def migrated(source: str) -> str:
+    result = migrate(textwrap.dedent(source).encode())
+    assert result.error is None
+    return (result.new_source or result.source).decode()
+
+
+# --- the table drives the rules ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(REMOVED))
+def test_every_removed_symbol_is_gm211(name):
+    top = name.split(".")[0]
+    assert (2, "GM211") in codes(f"import {top}\ny = {name}(a)\n", [GM211])
+
+
+@pytest.mark.parametrize("name", sorted(DEPRECATED))
+def test_every_deprecated_symbol_is_gm212(name):
+    top = name.split(".")[0]
+    assert (2, "GM212") in codes(f"import {top}\ny = {name}(a)\n", [GM212])
+
+
+@pytest.mark.parametrize("entry", DEPRECATIONS, ids=lambda e: e.name)
+def test_no_symbol_is_reported_twice_on_a_line(entry):
+    """GM503 owns torch.cuda.amp, GM208 its renames: one of our rules per symbol and line."""
+    top = entry.name.split(".")[0]
+    found = [c for line, c in codes(f"import {top}\ny = {entry.name}(a)\n") if line == 2]
+    ours = [c for c in found if c in ("GM208", "GM211", "GM212", "GM503")]
+    if entry.name in ("torch.distributed.launch", "torch.Tensor.storage"):
+        return  # a module to run and a method: not names a call resolves to
+    assert len(ours) == 1, (entry.name, found)
+
+
+def test_import_lines_are_reported_once_per_name():
+    """TorchFix's TOR103/TOR004: each imported deprecated name, on the import line."""
+    found = codes("from functorch import vmap, jacrev\nfrom torch import symeig as xxx\n")
+    assert found.count((1, "GM212")) == 2 and (2, "GM211") in found
+
+
+# --- fixes: only where the result is the same -------------------------------------------
+
+def test_solve_is_fixed_only_where_the_solution_alone_is_read():
+    assert migrated("import torch\nx = torch.solve(B, A)[0]\n") == "import torch\nx = torch.linalg.solve(A, B)\n"
+    assert migrated("import torch\nx, _ = torch.solve(B, A)\n") == "import torch\nx = torch.linalg.solve(A, B)\n"
+    kept = "import torch\nx, lu = torch.solve(B, A)\ny = torch.solve(B, A)\n"
+    assert migrated(kept) == kept  # LU read, or the pair kept: review
+    result = migrate(kept.encode())
+    assert [f.review for f in result.findings if f.code == "GM211"] == [True, True]
+
+
+def test_symeig_keeps_the_upper_triangle():
+    assert migrated("import torch\ne, v = torch.symeig(A, eigenvectors=True)\n") == \
+        'import torch\ne, v = torch.linalg.eigh(A, UPLO="U")\n'
+    kept = "import torch\ne, v = torch.symeig(A)\n"  # the empty second result is read
+    assert migrated(kept) == kept
+
+
+def test_lstsq_and_eig_are_reported_not_fixed():
+    source = "import torch\nx = torch.lstsq(B, A)[0]\nw, v = torch.eig(A, True)\n"
+    assert migrated(source) == source
+    messages = [f.message for f in migrate(source.encode()).findings if f.code == "GM211"]
+    assert any("torch.linalg.lstsq" in m for m in messages) and any("complex" in m for m in messages)
+
+
+def test_range_is_reported_not_fixed():
+    """torch.arange(a, b + 1) of integers makes int64 where torch.range made floats."""
+    source = "import torch\nr = torch.range(0, 4)\n"
+    assert migrated(source) == source
+    assert (2, "GM212") in codes(source, [GM212])
+
+
+def test_cpu_autocast_positionals_become_keywords():
+    assert migrated("import torch\nwith torch.cpu.amp.autocast(False):\n    pass\n") == \
+        'import torch\nwith torch.amp.autocast("cpu", enabled=False):\n    pass\n'
+
+
+def test_a_part_imported_further_down_is_not_used_above_it():
+    out = migrated("import torch\ntorch.utils._pytree._register_pytree_node(C, f, g)\n"
+                   "from torch.utils import _pytree as xx\n")
+    assert "torch.utils._pytree.register_pytree_node(C, f, g)" in out
+
+
+def test_fixed_fixture_runs_and_prints_what_modern_code_prints(tmp_path):
+    """deprecated_linalg.py fails on today's torch; its migration prints what the same
+    script written with torch.linalg prints."""
+    golden = FIXTURES / "expected" / "device" / "deprecated_linalg.py"
+    script = tmp_path / "migrated.py"
+    shutil.copy(golden, script)
+    modern = tmp_path / "modern.py"
+    text = (FIXTURES / "scripts" / "deprecated_linalg.py").read_text()
+    for old, new in [("torch.solve(B, A)[0]", "torch.linalg.solve(A, B)"),
+                     ("y, _ = torch.solve(B, A)", "y = torch.linalg.solve(A, B)"),
+                     ("torch.solve(B, A).solution", "torch.linalg.solve(A, B)"),
+                     ("torch.symeig(A, eigenvectors=True)", "torch.linalg.eigh(A)"),
+                     ("torch.symeig(A)[0]", "torch.linalg.eigvalsh(A)"),
+                     ("torch.matrix_rank", "torch.linalg.matrix_rank"),
+                     ("torch.chain_matmul(A, B, B.t())", "torch.linalg.multi_dot([A, B, B.t()])"),
+                     ("torch.qr", "torch.linalg.qr"), ("torch.cholesky", "torch.linalg.cholesky"),
+                     ("torch.ger", "torch.outer")]:
+        assert old in text
+        text = text.replace(old, new)
+    modern.write_text(text)
+    original = tmp_path / "original.py"
+    shutil.copy(FIXTURES / "scripts" / "deprecated_linalg.py", original)
+    before = run_script(original, cwd=tmp_path)
+    assert before.returncode != 0 and "torch.linalg.solve" in before.stderr
+    after, want = run_script(script, cwd=tmp_path), run_script(modern, cwd=tmp_path)
+    assert after.returncode == 0 and want.returncode == 0, after.stderr[-2000:] + want.stderr[-2000:]
+    assert after.stdout == want.stdout and "rank 4" in after.stdout
+
+
+# --- TorchFix codes ----------------------------------------------------------------------
+
+def test_rules_carry_their_torchfix_codes():
+    assert GM211.torchfix == ("TOR001", "TOR004")
+    assert GM212.torchfix == ("TOR101", "TOR103")
+    assert RULES_BY_CODE["GM503"].torchfix == ("TOR101",)
+    assert RULES_BY_CODE["GM105"].torchfix == ()  # map_location is not TOR102's weights_only
+
+
+def test_noqa_with_a_torchfix_code_suppresses_the_aliased_findings():
+    source = """\
+        import torch
+        q, r = torch.qr(A)  # noqa: TOR101
+        x = torch.solve(B, A)[0]  # noqa: TOR001
+        with torch.cuda.amp.autocast():  # noqa: TOR101
+            pass
+        from torch import qr  # noqa: TOR103
+        q, r = torch.qr(A)  # noqa: TOR102
+        q, r = torch.qr(A)  # noqa: GM212
+        """
+    assert codes(source) == [(7, "GM212")]
+    # and the fix is not applied where the noqa is
+    assert "torch.qr(A)  # noqa: TOR101" in migrated(source)
+
+
+def test_text_and_json_show_the_torchfix_code(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text("import torch\nq, r = torch.qr(A)\nfrom torch import qr\nx = y.cuda()\n")
+    runner = CliRunner()
+    text = runner.invoke(main, ["lint", "--isolated", "--no-cache", str(path)]).output
+    assert f"{path}:2:8: GM212 [TOR101] `torch.qr` is deprecated" in text
+    assert f"{path}:3:19: GM212 [TOR103] import of" in text
+    assert "GM101 [" not in text  # no alias, nothing beside the code
+    rows = json.loads(runner.invoke(main, ["lint", "--isolated", "--no-cache", "--format", "json", str(path)]).stdout)
+    assert {(r["code"], r.get("torchfix")) for r in rows} >= {("GM212", "TOR101"), ("GM212", "TOR103")}
+    assert all("torchfix" not in r for r in rows if not r["code"].startswith("GM21"))
+
+
+def test_explain_names_the_torchfix_codes():
+    out = CliRunner().invoke(main, ["explain", "GM212"]).output
+    assert "TorchFix codes: TOR101, TOR103" in out
+    assert "TorchFix" not in CliRunner().invoke(main, ["explain", "GM101"]).output
