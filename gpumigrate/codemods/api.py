@@ -195,7 +195,7 @@ class NonPublicCollate(Rule):
         Flagged("import torch\nv = torch.utils.data._utils.collate.default_convert(v)\n",
                 fixed="import torch\nv = torch.utils.data.default_convert(v)\n"),
         Flagged("from torch.utils.data import _utils\nb = _utils.collate.default_collate(b)\n",
-                fixed="import torch\n\nb = torch.utils.data.default_collate(b)\n"),
+                fixed="import torch.utils.data\n\nb = torch.utils.data.default_collate(b)\n"),
         Flagged(  # a private name beside it: listed
             "from torch.utils.data._utils.collate import default_collate, np_str_obj_array_pattern\n"),
         Clean("from torch.utils.data import default_collate\nb = default_collate(items)\n"),
@@ -229,8 +229,14 @@ class NonPublicCollate(Rule):
         self.report(original.func, self._msg(name))
         if not isinstance(original.func, cst.Attribute):
             return updated  # a name from the import, which leave_ImportFrom rewrites
+        head = dotted(original.func).split(".")[0]
+        if self.qualify(cst.Name(head)) == "torch":  # spelt through torch, which is bound here
+            return updated.with_changes(func=torch_name(self.ctx, f"utils.data.{name}", self.fixing))
+        if self.ctx.names.local.get("torch", "torch") != "torch":
+            return updated  # `torch` is another module's alias here: leave it (reported above)
         if self.fixing:
-            head = dotted(original.func).split(".")[0]
+            # `import torch.utils.data` at the top: a later `import torch` would not bind it here
+            self.ctx.add_import("torch.utils.data")
             if head == "_utils":
                 self.ctx.remove_import("torch.utils.data", "_utils")  # removed only if no other use is left
-        return updated.with_changes(func=torch_name(self.ctx, f"utils.data.{name}", self.fixing))
+        return updated.with_changes(func=cst.parse_expression(f"torch.utils.data.{name}"))

@@ -82,6 +82,8 @@ class LoaderNoWorkers(Rule):
 
     code = "GM601"
     name = "loader-no-workers"
+    # TorchFix's TOR401 flags every loader; GM601 its training loaders, where the GPU waits
+    torchfix = ("TOR401",)
     message = "training `DataLoader` loads batches in the training process; set `num_workers`"
     triggers = ("DataLoader",)
 

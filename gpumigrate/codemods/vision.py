@@ -147,6 +147,8 @@ _BACKBONE_WEIGHTS: Dict[str, str] = {
     "detection.ssdlite320_mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V1",
 }
 
+_MODEL_NAMES = frozenset(name.rsplit(".", 1)[-1] for name in _WEIGHTS)
+
 # Modules that define the classification models, which torchvision.models re-exports.
 _SUBMODULES = ("alexnet", "convnext", "densenet", "efficientnet", "googlenet", "inception", "mnasnet", "mobilenet",
                "mobilenetv2", "mobilenetv3", "regnet", "resnet", "shufflenetv2", "squeezenet", "vgg",
@@ -200,7 +202,7 @@ class VisionPretrained(Rule):
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
         return "torchvision" in facts.ids and (facts.any_id("pretrained", "pretrained_backbone")
-                                               or any(c in _WEIGHTS for c in facts.calls))
+                                               or any(c in _MODEL_NAMES for c in facts.calls))
 
     examples = (
         Flagged("import torchvision\nnet = torchvision.models.resnet50(pretrained=True)\n",
@@ -233,7 +235,9 @@ class VisionPretrained(Rule):
                 continue
             old = "pretrained_backbone" if backbone else "pretrained"
             found.append(old)
-            new_value = self._weights(original, model, backbone, literal_bool(arg.value))
+            later_positional = arg.keyword is None and any(a.keyword is None for a in original.args[i + 1:])
+            # `resnet50(True, False)`: a keyword cannot precede the positional `progress`
+            new_value = None if later_positional else self._weights(original, model, backbone, literal_bool(arg.value))
             if new_value is None:
                 listed.append(old)
                 continue
