@@ -50,6 +50,7 @@ def golden(script, target=TARGET):
 
 @pytest.mark.parametrize("target", AMP_TARGETS)
 @pytest.mark.parametrize("amp_script", AMP_SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_amp_golden_and_idempotent(amp_script, target):
     result = migrate(amp_script.read_bytes(), target, str(amp_script))
     assert result.error is None
