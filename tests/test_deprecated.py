@@ -174,3 +174,23 @@ def test_explain_names_the_torchfix_codes():
     out = CliRunner().invoke(main, ["explain", "GM212"]).output
     assert "TorchFix codes: TOR101, TOR103" in out
     assert "TorchFix" not in CliRunner().invoke(main, ["explain", "GM101"]).output
+
+
+def test_fixed_calls_compute_what_the_old_ones_did():
+    """Run the fixes: `upper=True` is the transpose of the lower factor, `some=False` the
+    complete QR, `eigenvectors=False` the eigenvalues of the upper triangle."""
+    import torch
+
+    source = ("import torch\nU = torch.cholesky(A, upper=True)\nQ, R = torch.qr(M, some=False)\n"
+              "w = torch.symeig(S, False, False)[0]\n")
+    out = migrated(source)
+    assert "torch.cholesky" not in out and "torch.qr" not in out and "torch.symeig" not in out
+    torch.manual_seed(0)
+    g = torch.randn(3, 3, dtype=torch.float64)
+    S = torch.triu(torch.randn(3, 3, dtype=torch.float64))  # only the lower triangle counts: zeros
+    scope = {"A": g @ g.t() + 3 * torch.eye(3, dtype=torch.float64), "M": torch.randn(4, 2, dtype=torch.float64),
+             "S": S + S.t()}
+    exec(out, scope)
+    assert torch.allclose(scope["U"].t() @ scope["U"], scope["A"]) and torch.equal(scope["U"], scope["U"].triu())
+    assert scope["Q"].shape == (4, 4) and torch.allclose(scope["Q"] @ scope["R"], scope["M"])
+    assert torch.allclose(scope["w"], torch.linalg.eigvalsh(scope["S"]))

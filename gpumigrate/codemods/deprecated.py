@@ -33,8 +33,10 @@ DEPRECATED: Dict[str, Deprecation] = {e.name: e for e in DEPRECATIONS
                                       if not removed_by(e, CURRENT_TO) and e.name not in _OWNED_ELSEWHERE}
 
 
-def _last_names(entries: Dict[str, Deprecation]) -> Tuple[str, ...]:
-    return tuple(sorted({name.rsplit(".", 1)[1] for name in entries}))
+def _parts(entries: Dict[str, Deprecation]) -> Tuple[FrozenSet[str], ...]:
+    """Each symbol's dotted parts: every way a script names it (`import torch as tt;
+    tt.qr`, `from torch import qr as q`) puts them all among the file's identifiers."""
+    return tuple({frozenset(name.split(".")) for name in entries})
 
 
 def _spell(rule: Rule, qualified: str, like: Optional[cst.BaseExpression] = None) -> cst.BaseExpression:
@@ -67,13 +69,29 @@ class _TableRule(Rule):
     """Shared: find every use (call or not) and import line of a table symbol."""
 
     entries: Dict[str, Deprecation] = {}
+    last_names: FrozenSet[str] = frozenset()
     kind = ""
+    imported: Optional[Set[str]] = None  # local names bound to a symbol by an import
+
+    def _may_name(self, node: cst.CSTNode) -> bool:
+        """A cheap necessary condition of `_uses_of` (it runs on every name of the file):
+        an attribute with a symbol's last name, or a name imported as a symbol."""
+        if isinstance(node, cst.Attribute):
+            return node.attr.value in self.last_names
+        if isinstance(node, cst.Name):
+            if self.imported is None:
+                self.imported = {local for local, full in self.ctx.names.local.items() if full in self.entries}
+            return node.value in self.imported
+        return False
 
     def _uses_of(self, node: cst.BaseExpression) -> Optional[Deprecation]:
-        if enclosing(self.ctx.ancestors, cst.ImportFrom) or enclosing(self.ctx.ancestors, cst.Import):
+        if not self._may_name(node):
             return None
         qualified = self.qualify(node)
-        return self.entries.get(qualified) if qualified else None
+        entry = self.entries.get(qualified) if qualified else None
+        if entry is None or enclosing(self.ctx.ancestors, cst.ImportFrom) or enclosing(self.ctx.ancestors, cst.Import):
+            return None
+        return entry
 
     def _describe(self, entry: Deprecation) -> str:
         return f"`{entry.name}` is {self.kind}; use `{entry.replacement}` ({entry.note})"
@@ -131,12 +149,13 @@ class RemovedFunction(_TableRule):
     fixed_in = frozenset({"device"})
     torchfix = ("TOR001", "TOR004")
     entries = REMOVED
+    last_names = frozenset(name.rsplit(".", 1)[1] for name in REMOVED)
     kind = "removed"
-    _names = _last_names(REMOVED)
+    _parts = _parts(REMOVED)
 
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_id(*cls._names)
+        return any(parts <= facts.ids for parts in cls._parts)
 
     examples = (
         Flagged("import torch\nx = torch.solve(B, A)[0]\n", fixed="import torch\nx = torch.linalg.solve(A, B)\n"),
@@ -165,7 +184,7 @@ class RemovedFunction(_TableRule):
     def _parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         return self.ctx.index.parent.get(id(node))
 
-    def _first_only(self, call: cst.Call) -> Optional[Tuple[cst.CSTNode, str]]:
+    def _first_only(self, call: cst.Call, field: str) -> Optional[Tuple[cst.CSTNode, str]]:
         """Where only the first of a (solution, other) result is read: the node to replace
         and how ("first": `r[0]` or `r.<name>`; "assign": `x, _ = r`)."""
         above = self._parent(call)
@@ -173,7 +192,7 @@ class RemovedFunction(_TableRule):
                 and isinstance(above.slice[0].slice, cst.Index) \
                 and isinstance(above.slice[0].slice.value, cst.Integer) and above.slice[0].slice.value.value == "0":
             return above, "first"
-        if isinstance(above, cst.Attribute) and above.value is call and above.attr.value in ("solution", "eigenvalues"):
+        if isinstance(above, cst.Attribute) and above.value is call and above.attr.value == field:
             return above, "first"
         if isinstance(above, cst.Assign) and above.value is call and len(above.targets) == 1:
             target = above.targets[0].target
@@ -202,7 +221,7 @@ class RemovedFunction(_TableRule):
         if name == "torch.solve":
             if len(original.args) != 2 or any(a.keyword for a in original.args):
                 return None
-            where = self._first_only(original)
+            where = self._first_only(original, "solution")
             if where is None:
                 return None
             self.replace[id(where[0])] = where[1]
@@ -220,7 +239,7 @@ class RemovedFunction(_TableRule):
             if want_vectors is None or is_upper is None:
                 return None
             if not want_vectors:  # the second result is an empty tensor: only the first may be read
-                where = self._first_only(original)
+                where = self._first_only(original, "eigenvalues")
                 if where is None:
                     return None
                 self.replace[id(where[0])] = where[1]
@@ -264,6 +283,8 @@ class RemovedFunction(_TableRule):
 
     def _not_called(self, node: cst.BaseExpression) -> None:
         """A use that is not a call (`f = torch.solve`, `torch._six.inf`): reported for review."""
+        if not self._may_name(node):
+            return
         above = self._parent(node)
         if isinstance(above, cst.Call) and above.func is node or isinstance(above, cst.Attribute) and above.attr is node:
             return
@@ -321,17 +342,19 @@ class DeprecatedFunction(_TableRule):
     fixed_in = frozenset({"device"})
     torchfix = ("TOR101", "TOR103")
     entries = DEPRECATED
+    last_names = frozenset(name.rsplit(".", 1)[1] for name in DEPRECATED)
     kind = "deprecated"
-    _names = _last_names(DEPRECATED)
+    _parts = _parts(DEPRECATED)
 
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_id(*cls._names)
+        return any(parts <= facts.ids for parts in cls._parts)
 
     examples = (
         Flagged("import torch\nq, r = torch.qr(A)\n", fixed="import torch\nq, r = torch.linalg.qr(A)\n"),
         Flagged("import torch\nq, r = torch.qr(A, some=False)\n",
                 fixed="import torch\nq, r = torch.linalg.qr(A, mode=\"complete\")\n"),
+        Flagged("import torch\ny = torch.chain_matmul(a)\n"),  # multi_dot wants two at least
         Flagged("import torch\ny = torch.chain_matmul(a, b, c)\n",
                 fixed="import torch\ny = torch.linalg.multi_dot([a, b, c])\n"),
         Flagged("import torch\nu = torch.cholesky(A, upper=True)\n",
@@ -369,6 +392,7 @@ class DeprecatedFunction(_TableRule):
     def visit_Module(self, node: cst.Module) -> None:
         # local names whose from-import line is fixed -> the name they take (`ger` -> `outer`)
         self.rewritten_imports: Dict[str, str] = {}
+        self.pending: Dict[int, object] = {}  # id of a name not called -> its fix
 
     def _import_fix(self, node: cst.ImportFrom) -> Optional[str]:
         """The module every name of `from M import a, b` moves to, when each has a drop-in
@@ -432,8 +456,8 @@ class DeprecatedFunction(_TableRule):
         if name == "torch.chain_matmul":
             keywords = [a for a in updated.args if a.keyword is not None]
             matrices = [a for a in updated.args if a.keyword is None]
-            if not matrices or any(a.keyword.value != "out" for a in keywords):
-                return None  # `out=` is multi_dot's too
+            if len(matrices) < 2 or any(a.keyword.value != "out" for a in keywords):
+                return None  # `out=` is multi_dot's too; it wants two matrices at least
             items = [cst.Element(a.value) for a in matrices]
             return with_args(updated.with_changes(func=self._new(original, "torch.linalg.multi_dot")),
                              [cst.Arg(cst.List(items)), *keywords])
@@ -526,13 +550,14 @@ class DeprecatedFunction(_TableRule):
         self._not_called(node)
 
     def _not_called(self, node: cst.BaseExpression) -> None:
+        if not self._may_name(node):
+            return
         above = self.ctx.index.parent.get(id(node))
         if isinstance(above, cst.Call) and above.func is node or isinstance(above, cst.Attribute) and above.attr is node:
             return
         entry = self._uses_of(node)
         if entry is None:
             return
-        self.pending = getattr(self, "pending", {})
         how = self._handle(node, None, None)
         if how == "name":
             self.pending[id(node)] = entry.replacement
@@ -546,7 +571,7 @@ class DeprecatedFunction(_TableRule):
         return self._renamed(original)
 
     def _renamed(self, original: cst.BaseExpression):
-        new = getattr(self, "pending", {}).get(id(original))
+        new = self.pending.get(id(original)) if self.pending else None
         if isinstance(new, cst.BaseExpression):
             return new
         return _spell(self, new, original) if new and self.fixing else None
