@@ -203,7 +203,7 @@ def test_migrate_honours_per_file_ignores(tmp_path):
 
 
 def test_parse_repairs_run_whatever_is_selected(tmp_path):
-    source = "import torch\nx = y.cuda(async=True)\nfrom torch.utils.data import DataLoader\nl = DataLoader(ds)\n"
+    source = "import torch\nx = y.cuda(async=True)\nfrom torch.utils.data import DataLoader\ntest_loader = DataLoader(ds)\n"
     path = tree(tmp_path, {"t.py": source}) / "t.py"
     result = cli("lint", path, "--select", "GM601")  # GM205 holds the repair of `async=`
     assert result.exit_code == 0 and "cannot parse" not in result.output and "GM205" not in result.stdout

@@ -499,9 +499,9 @@ def test_a_top_level_select_still_scopes_both_and_says_so_when_a_migration_is_pa
 
 
 def test_the_lint_table_is_checked(tmp_path, script):
-    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nselect = ["GM9"]\n')
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nselect = ["GM99"]\n')
     result = run("lint", script)
-    assert result.exit_code == 2 and "[tool.gpumigrate.lint] select: no rule matches 'GM9'" in result.output
+    assert result.exit_code == 2 and "[tool.gpumigrate.lint] select: no rule matches 'GM99'" in result.output
     (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint]\nexclude = ["x"]\n')
     result = run("lint", script)
     assert result.exit_code == 2 and "unknown [tool.gpumigrate.lint] setting 'exclude'" in result.output
@@ -534,7 +534,7 @@ def test_the_lint_table_has_per_file_ignores_too(tmp_path, script):
     out = lint(script).stdout
     assert "GM101" not in out and "GM301" in out
     assert ".to(device)" in run(script, "--diff").stdout  # migrations do not read it
-    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint.per-file-ignores]\n"train.py" = ["GM9"]\n')
+    (tmp_path / "pyproject.toml").write_text('[tool.gpumigrate.lint.per-file-ignores]\n"train.py" = ["GM99"]\n')
     bad = run("lint", script)
     assert bad.exit_code == 2 and "[tool.gpumigrate.lint.per-file-ignores] 'train.py'" in bad.output
 

@@ -143,3 +143,18 @@ def test_the_stable_forms_are_what_the_messages_claim():
     big = torch.tensor([[100.0, 100.0]])
     assert torch.isinf(torch.log(torch.sum(torch.exp(big), 1))).all()
     assert torch.isfinite(torch.logsumexp(big, 1)).all()
+
+
+def test_loader_no_workers_flags_every_loader_but_evaluation_ones():
+    source = """\
+        import torch
+        ds = torch.rand((100, 100))
+        sync_loader = torch.utils.data.DataLoader(ds, batch_size=10)
+        workers = torch.utils.data.DataLoader(ds, batch_size=10, num_workers=4)
+        zero = torch.utils.data.DataLoader(ds, 10, False, None, None, 0)
+        val_loader = torch.utils.data.DataLoader(ds, batch_size=100)
+        scores = torch.utils.data.DataLoader(ds)
+        for x in scores:
+            print(x.sum())
+        """
+    assert [line for _, line, _ in _codes(source, "GM601")] == [3, 5]

@@ -31,6 +31,7 @@ from gpumigrate.rewriter.facts import SourceFacts
 
 
 _TRAIN = re.compile(r"(^|_|pre|re)train")
+_EVAL = re.compile(r"test|val|eval|infer|predict")
 
 
 def _dataloader_call(rule: Rule, node: cst.Call) -> bool:
@@ -57,9 +58,12 @@ def _bound_to(ancestors) -> Optional[str]:
 class LoaderNoWorkers(Rule):
     """
     ## What it does
-    Finds a training `DataLoader` built without `num_workers` (or with `num_workers=0`):
-    one bound to a name such as `train_loader` (or returned by `train_dataloader()`), or
-    iterated by a loop that calls `.backward()` or `optimizer.step()`.
+    Finds a `DataLoader` built without `num_workers` (or with `num_workers=0`), unless it
+    is an evaluation loader: bound to a name such as `val_loader`/`test_loader`, or only
+    iterated by loops that do not train. A training loader (bound to a name such as
+    `train_loader`, returned by `train_dataloader()`, or iterated by a loop that calls
+    `.backward()` or `optimizer.step()`) is flagged whatever its name; so is a loader
+    whose use the file does not show (TorchFix's TOR401 flags every loader).
 
     ## Why is this bad?
     With no workers every batch is read, decoded and augmented in the training process
@@ -76,23 +80,22 @@ class LoaderNoWorkers(Rule):
                               num_workers=4, persistent_workers=True)
     ```
     Under the `spawn` start method (Windows, macOS) the script's entry point must then sit
-    under `if __name__ == "__main__":`. Evaluation loaders, `num_workers=<expr>` and calls
-    with `**kwargs` (workers may be inside) are not flagged.
+    under `if __name__ == "__main__":`. Evaluation loaders (fast enough for most, and
+    often built with `num_workers=0` on purpose), `num_workers=<expr>` and calls with
+    `**kwargs` (workers may be inside) are not flagged.
     """
 
     code = "GM601"
     name = "loader-no-workers"
-    # TorchFix's TOR401 flags every loader; GM601 its training loaders, where the GPU waits
+    # TorchFix's TOR401 flags every loader; GM601 all but the evaluation loaders
     torchfix = ("TOR401",)
-    message = "training `DataLoader` loads batches in the training process; set `num_workers`"
+    message = "`DataLoader` loads batches in the training process; set `num_workers`"
     triggers = ("DataLoader",)
 
-    # a call qualified as torch's DataLoader, bound to a name, key or function named like
-    # training, or iterated by a loop calling `.backward()` / `.step()`
+    # a call qualified as torch's DataLoader (which loaders are evaluation needs the tree)
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_id("DataLoader") and facts.any_id("torch") and (
-            facts.any_call("backward", "step") or any(_TRAIN.search(n.lower()) for n in (*facts.ids, *facts.strings)))
+        return facts.any_id("DataLoader") and facts.any_id("torch")
 
     examples = (
         Flagged("from torch.utils.data import DataLoader\ntrain_loader = DataLoader(ds, batch_size=32, shuffle=True)\n"),
@@ -106,7 +109,8 @@ class LoaderNoWorkers(Rule):
         Clean("from torch.utils.data import DataLoader\ntrain_loader = DataLoader(ds, batch_size=32, **kwargs)\n"),
         Clean("from torch.utils.data import DataLoader\ntrain_loader = DataLoader(ds, num_workers=args.workers)\n"),
         Clean("from torch_geometric.loader import DataLoader\ntrain_loader = DataLoader(ds, batch_size=32)\n"),
-        Clean("from torch.utils.data import DataLoader\nconstraint_loader = DataLoader(ds)\n"),
+        Flagged("import torch\nconstraint_loader = torch.utils.data.DataLoader(ds)\n"),  # use not seen: TOR401 too
+        Clean("import torch\nval_loader = torch.utils.data.DataLoader(ds, batch_size=256)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -133,12 +137,17 @@ class LoaderNoWorkers(Rule):
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> None:
         trained = set().union(*(names for loop, names in self.loops if id(loop) in self.training))
+        iterated = set().union(*(names for loop, names in self.loops if id(loop) not in self.training))
         for where, bound, ancestors in self.pending:
             in_training_iter = any(isinstance(a, cst.For) and id(a) in self.training and ancestors[i + 1] is a.iter
                                    for i, a in enumerate(ancestors[:-1]))
-            if not (in_training_iter or (bound and (_TRAIN.search(bound.lower()) or bound in trained))):
-                continue
-            if isinstance(where, cst.Arg):
+            training = in_training_iter or (bound and (_TRAIN.search(bound.lower()) or bound in trained))
+            if not training and (bound is None or _EVAL.search(bound.lower()) or bound in iterated):
+                continue  # an evaluation loader, or one whose use we cannot see
+            if not training:
+                self.report(where, "`DataLoader` without workers loads batches in the process that uses them, "
+                                   "so a GPU waits on every one; set `num_workers` (e.g. 4)")
+            elif isinstance(where, cst.Arg):
                 self.report(where, "`num_workers=0` loads training batches in the training process, so the GPU "
                                    "waits on every one; use a few workers (e.g. 4)")
             else:
