@@ -194,3 +194,11 @@ def test_fixed_calls_compute_what_the_old_ones_did():
     assert torch.allclose(scope["U"].t() @ scope["U"], scope["A"]) and torch.equal(scope["U"], scope["U"].triu())
     assert scope["Q"].shape == (4, 4) and torch.allclose(scope["Q"] @ scope["R"], scope["M"])
     assert torch.allclose(scope["w"], torch.linalg.eigvalsh(scope["S"]))
+
+
+def test_a_from_import_changes_only_if_every_call_can():
+    fixable = "from torch.utils._pytree import _register_pytree_node as reg\nreg(C, f, g)\n"
+    assert migrated(fixable) == "from torch.utils._pytree import register_pytree_node as reg\nreg(C, f, g)\n"
+    kept = fixable + "reg(D, f, g, to_str)\n"  # to_str_fn is gone from the new one
+    assert "import _register_pytree_node as reg" in migrated(kept)
+    assert "reg(D, f, g, to_str)" in migrated(kept)

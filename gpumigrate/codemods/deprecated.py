@@ -303,6 +303,16 @@ _AMP_MOVES: Dict[str, Tuple[str, str, Optional[Tuple[str, ...]]]] = {
 _PYTREE_KEYWORDS = frozenset({"serialized_type_name", "to_dumpable_context", "from_dumpable_context"})
 
 
+def _pytree_call(call: cst.Call) -> bool:
+    """The same for three arguments and the keywords both take (to_str_fn/maybe_from_str_fn are gone)."""
+    keywords = {a.keyword.value for a in call.args if a.keyword is not None}
+    return _plain(call) and sum(a.keyword is None for a in call.args) <= 3 and not keywords - _PYTREE_KEYWORDS
+
+
+# symbols whose replacement takes the call's arguments as they are when the test holds
+_DROP_IN_CALLS = {"torch.utils._pytree._register_pytree_node": _pytree_call}
+
+
 class DeprecatedFunction(_TableRule):
     """
     ## What it does
@@ -384,6 +394,8 @@ class DeprecatedFunction(_TableRule):
         Flagged("import torch.utils._pytree as pytree\npytree._register_pytree_node(C, flat, unflat)\n",
                 fixed="import torch.utils._pytree as pytree\npytree.register_pytree_node(C, flat, unflat)\n"),
         Flagged("import torch.utils._pytree as pytree\npytree._register_pytree_node(C, flat, unflat, to_str)\n"),
+        Flagged("from torch.utils._pytree import _register_pytree_node\n_register_pytree_node(C, flat, unflat)\n",
+                fixed="from torch.utils._pytree import register_pytree_node\nregister_pytree_node(C, flat, unflat)\n"),
         Clean("import torch\nq, r = torch.linalg.qr(A)\ny = torch.linalg.multi_dot([a, b])\n"),
         Clean("import torch\nwith torch.cuda.amp.autocast():\n    pass\n"),  # GM503's
         Clean("import torch\ntorch.nn.utils.clip_grad_norm(ps, 1.0)\n"),  # GM208's
@@ -401,10 +413,28 @@ class DeprecatedFunction(_TableRule):
         targets = set()
         for alias in node.names:
             entry = self.entries.get(f"{module}.{cst.Module([]).code_for_node(alias.name)}")
-            if entry is None or not entry.drop_in or "." not in entry.replacement:
+            if entry is None or "." not in entry.replacement or not (
+                    entry.drop_in or entry.name in _DROP_IN_CALLS and self._every_call_fixable(alias, entry)):
                 return None
             targets.add(entry.replacement.rsplit(".", 1)[0])
         return targets.pop() if len(targets) == 1 else None
+
+    def _every_call_fixable(self, alias: cst.ImportAlias, entry: Deprecation) -> bool:
+        """Every use of the name `alias` binds is a call the replacement takes as it is
+        (`_register_pytree_node(C, f, g)`): then the import line itself can change."""
+        local = alias.asname.name if alias.asname is not None else alias.name
+        if not isinstance(local, cst.Name):
+            return False
+        parent = self.ctx.index.parent
+        for name in self.ctx.index.of(cst.Name):
+            if name.value != local.value or name is local or name is alias.name:
+                continue
+            call = parent.get(id(name))
+            if isinstance(call, cst.Attribute) and call.attr is name or isinstance(call, cst.ImportAlias):
+                continue  # `xx._register_pytree_node`: another name; an import line
+            if not (isinstance(call, cst.Call) and call.func is name and _DROP_IN_CALLS[entry.name](call)):
+                return False
+        return True
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         self.fix_to = None
@@ -484,12 +514,9 @@ class DeprecatedFunction(_TableRule):
             return cst.Attribute(call, cst.Name("mH")) if is_upper else call
         if name in _AMP_MOVES:
             return self._amp(name, original, updated)
-        if name == "torch.utils._pytree._register_pytree_node":
-            # the same for three arguments and the keywords both take; to_str_fn/maybe_from_str_fn are gone
-            keywords = {a.keyword.value for a in original.args if a.keyword is not None}
-            if sum(a.keyword is None for a in original.args) > 3 or keywords - _PYTREE_KEYWORDS:
-                return None
-            return updated.with_changes(func=self._new(original, entry.replacement))
+        if name in _DROP_IN_CALLS:
+            return updated.with_changes(func=self._new(original, entry.replacement)) \
+                if _DROP_IN_CALLS[name](original) else None
         return None
 
     def _amp(self, name: str, original: Optional[cst.Call], updated: Optional[cst.Call]) -> Optional[cst.BaseExpression]:
