@@ -131,6 +131,10 @@ class CheckpointReentrant(Rule):
     fixed_in = frozenset({"device"})
     triggers = ("checkpoint",)
 
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:  # `save_checkpoint(...)` is common; a call to `checkpoint` is not
+        return facts.any_call("checkpoint")
+
     examples = (
         Flagged("from torch.utils.checkpoint import checkpoint\nh = checkpoint(block, h)\n",
                 fixed="from torch.utils.checkpoint import checkpoint\nh = checkpoint(block, h, use_reentrant=True)\n"),

@@ -32,6 +32,7 @@ from gpumigrate.rewriter.facts import SourceFacts
 
 _TRAIN = re.compile(r"(^|_|pre|re)train")
 _EVAL = re.compile(r"test|val|eval|infer|predict")
+_ZERO_GRAD_FALSE = re.compile(r"zero_grad\(\s*(set_to_none\s*=\s*)?False")
 
 
 def _dataloader_call(rule: Rule, node: cst.Call) -> bool:
@@ -436,8 +437,8 @@ class ZeroGradToZero(Rule):
     )
 
     @classmethod
-    def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_call("zero_grad")
+    def gate(cls, facts: SourceFacts) -> bool:  # every training script calls zero_grad: look for False
+        return facts.any_call("zero_grad") and _ZERO_GRAD_FALSE.search(facts.text) is not None
 
     def visit_Call(self, node: cst.Call) -> None:
         if is_method_call(node, "zero_grad"):
