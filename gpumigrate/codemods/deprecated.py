@@ -72,6 +72,11 @@ class _TableRule(Rule):
     last_names: FrozenSet[str] = frozenset()
     kind = ""
     imported: Optional[Set[str]] = None  # local names bound to a symbol by an import
+    _parts: Tuple[FrozenSet[str], ...] = ()  # per symbol, the names its qualified name is made of
+
+    @classmethod
+    def gate(cls, facts: SourceFacts) -> bool:  # every part of one symbol's name is in the file
+        return any(parts <= facts.ids for parts in cls._parts)
 
     def _may_name(self, node: cst.CSTNode) -> bool:
         """A cheap necessary condition of `_uses_of` (it runs on every name of the file):
@@ -152,10 +157,6 @@ class RemovedFunction(_TableRule):
     last_names = frozenset(name.rsplit(".", 1)[1] for name in REMOVED)
     kind = "removed"
     _parts = _parts(REMOVED)
-
-    @classmethod
-    def gate(cls, facts: SourceFacts) -> bool:
-        return any(parts <= facts.ids for parts in cls._parts)
 
     examples = (
         Flagged("import torch\nx = torch.solve(B, A)[0]\n", fixed="import torch\nx = torch.linalg.solve(A, B)\n"),
@@ -355,10 +356,6 @@ class DeprecatedFunction(_TableRule):
     last_names = frozenset(name.rsplit(".", 1)[1] for name in DEPRECATED)
     kind = "deprecated"
     _parts = _parts(DEPRECATED)
-
-    @classmethod
-    def gate(cls, facts: SourceFacts) -> bool:
-        return any(parts <= facts.ids for parts in cls._parts)
 
     examples = (
         Flagged("import torch\nq, r = torch.qr(A)\n", fixed="import torch\nq, r = torch.linalg.qr(A)\n"),
