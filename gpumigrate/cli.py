@@ -887,8 +887,12 @@ def explain(code: str) -> None:
         rule = RULES_BY_CODE[_rule_code(code)]
     except click.UsageError as exc:
         raise click.BadParameter(exc.message.replace("no rule matches", "no rule"), param_hint="CODE") from None
-    fix = ", ".join(sorted(rule.fixed_in)) or "none (lint only)"
-    _echo(f"{rule.code} ({rule.name})\n\n{rule.message}{opt_in_note(rule)}\n\nFixed by the migration to: {fix}\n")
+    from gpumigrate.codemods.base import LINT_FIX
+
+    targets = sorted(rule.fixed_in - {LINT_FIX})
+    fix = (f"the migration to {', '.join(targets)}" if targets else
+           "`gpumigrate lint --fix` only (no migration)" if rule.fixed_in else "none (lint only)")
+    _echo(f"{rule.code} ({rule.name})\n\n{rule.message}{opt_in_note(rule)}\n\nFixed by: {fix}\n")
     if getattr(rule, "torchfix", ()):
         codes = ", ".join(rule.torchfix)
         _echo(f"TorchFix codes: {codes} (`# noqa: {rule.torchfix[0]}` suppresses it as `# noqa: {rule.code}` does)\n")

@@ -39,6 +39,11 @@ class Clean:
 Example = Union[Flagged, Clean]
 
 
+# `fixed_in` of a style fix that `gpumigrate lint --fix` applies but no migration does: a
+# migration's diff holds what changes for the script to run and run right, nothing else.
+LINT_FIX = "lint --fix"
+
+
 class Rule:
     code: ClassVar[str] = ""
     name: ClassVar[str] = ""
