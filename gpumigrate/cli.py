@@ -107,12 +107,12 @@ def main() -> None:
 
     \b
     Targets (--to, default device; a list such as ddp,amp combines them):
-      device   any device: CUDA, MPS or CPU, no hard-coded `.cuda()`
+      device   any device: CUDA, MPS, XPU... or the CPU; today's torch
       ddp      DistributedDataParallel under torchrun (includes device)
       amp      mixed precision: autocast and GradScaler (includes device)
 
     \b
-      gpumigrate train.py --to device      rewrite in place (CUDA, MPS or CPU)
+      gpumigrate train.py --to device      rewrite in place (any accelerator or the CPU)
       gpumigrate train.py --to ddp         ... and for torchrun (DDP)
       gpumigrate train.py --to ddp,amp     ... and in mixed precision
       gpumigrate src/ --diff               show what would change
