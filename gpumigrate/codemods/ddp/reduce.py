@@ -55,36 +55,32 @@ class Reductions:
             if not bindings or not all(b.how in ("assign", "aug", "unpack") for b in bindings) or \
                     not any(_initial_zero(b, self.model.qualify) for b in bindings):
                 return self._blocked(loop, None, f"{name} does not start from a number")
-        end = self.s.index.end[id(loop)]
-        counted = self._per_rank_count_after(loop, scope, end)
-        if counted is not None:
-            return self._blocked(loop, None, f"`{counted}` after the loop counts this rank's batches only")
-        for name in temporaries - set(accumulators):
-            for node in self.s.index.order[end:]:
-                if isinstance(node, cst.Name) and node.value == name and self.s.scope(node) is scope:
-                    _, bindings = self.s.lookup(name, scope, self.s.order(self.s.statement(node) or node))
-                    if any(self.s.index.contains(loop, b.stmt) for b in bindings):
-                        return self._blocked(loop, None, f"{name} is read after the loop")
+        own = set(target_names(loop.target))  # the loop's own variables: this rank's count of batches
+        read = self._read_after(loop, scope, (temporaries | own) - set(accumulators))
+        if read is not None:
+            what, counted = read[0], read[0] in own or read[1]
+            return self._blocked(loop, None, f"`{what}` after the loop counts this rank's batches only" if counted
+                                 else f"{what} is read after the loop")
         return accumulators
 
-    def _per_rank_count_after(self, loop: cst.For, scope, end: int) -> Optional[str]:
-        """A count that a shard makes per rank, read after the loop in its scope: the loop's
-        own variables (`total / (i + 1)`) or `len(loader)` of the loader it iterates. A sum
-        reduced over ranks and divided by one of these is N times too large."""
-        own = set(target_names(loop.target))
+    def _read_after(self, loop: cst.For, scope, names: Set[str]) -> Optional[Tuple[str, bool]]:
+        """(what, is it `len(loader)`) for the first of `names` (bound in the loop) that code
+        after the loop in its scope reads as the loop left it, or `len(loader)` of the loader
+        the loop iterates: one pass over what follows. A sum reduced over ranks and divided by such a per-rank count
+        (`total / (i + 1)`) is N times too large."""
         iterated = loop.iter
         while isinstance(iterated, cst.Call) and iterated.args:  # enumerate(loader), tqdm(loader)
             iterated = iterated.args[0].value
         loader = iterated.value if isinstance(iterated, cst.Name) else None
-        for node in self.s.index.order[end:]:
-            if isinstance(node, cst.Name) and node.value in own and self.s.scope(node) is scope:
+        for node in self.s.index.order[self.s.index.end[id(loop)]:]:
+            if isinstance(node, cst.Name) and node.value in names and self.s.scope(node) is scope:
                 _, bindings = self.s.lookup(node.value, scope, self.s.order(self.s.statement(node) or node))
-                if any(b.stmt is loop or self.s.index.contains(loop, b.stmt) for b in bindings):
-                    return node.value
+                if any(self.s.index.contains(loop, b.stmt) for b in bindings):
+                    return node.value, False
             if loader is not None and isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and \
                     node.func.value == "len" and len(node.args) == 1 and isinstance(node.args[0].value, cst.Name) \
                     and node.args[0].value.value == loader and self.s.scope(node) is scope:
-                return f"len({loader})"
+                return f"len({loader})", True
         return None
 
     def _blocked(self, loop: cst.For, node: Optional[cst.CSTNode], text: str = "") -> None:
