@@ -582,16 +582,7 @@ class FileContext:
         last statements go to `trailing` (for the block's footer)."""
         if not self._removed or not any(id(s) in self._removed for s in body):
             return None
-        out: List[cst.BaseStatement] = []
-        carried: List[cst.EmptyLine] = []
-        for stmt in body:
-            if id(stmt) in self._removed:
-                carried = _joined(carried, list(stmt.leading_lines))
-                continue
-            if carried:
-                stmt = stmt.with_changes(leading_lines=_joined(carried, list(stmt.leading_lines)))
-                carried = []
-            out.append(stmt)
+        out, carried = _without(body, lambda stmt: id(stmt) in self._removed, _joined)
         if not out:
             emptied = cst.SimpleStatementLine(body=[cst.Pass()], leading_lines=carried)
             self._emptied[id(emptied)] = emptied
@@ -809,6 +800,25 @@ class _Dispatch(cst.CSTTransformer):
         for rep in self.ctx.reports:
             if rep.fixed and rep.node is not None and id(rep.node) in inside:
                 rep.node, rep.through = part, None
+
+
+def _without(body: Sequence[cst.BaseStatement], gone: Callable[[cst.BaseStatement], bool],
+             join: Callable[[List[cst.EmptyLine], List[cst.EmptyLine]], List[cst.EmptyLine]],
+             ) -> Tuple[List[cst.BaseStatement], List[cst.EmptyLine]]:
+    """The statements of a block but the `gone` ones, whose leading lines (comments, blank
+    lines) move onto the next statement kept (`join`: lines above, lines below -> both);
+    and the lines of gone statements after the last one kept."""
+    out: List[cst.BaseStatement] = []
+    carried: List[cst.EmptyLine] = []
+    for stmt in body:
+        if gone(stmt):
+            carried = join(carried, list(stmt.leading_lines))
+            continue
+        if carried:
+            stmt = stmt.with_changes(leading_lines=join(carried, list(stmt.leading_lines)))
+            carried = []
+        out.append(stmt)
+    return out, carried
 
 
 def _joined(above: List[cst.EmptyLine], below: List[cst.EmptyLine]) -> List[cst.EmptyLine]:
@@ -1055,16 +1065,7 @@ def _import_remover() -> type:
         def _settled(self, block: Any) -> Any:
             if not any(id(stmt) in self.emptied for stmt in block.body):
                 return block
-            body: List[cst.BaseStatement] = []
-            carried: List[cst.EmptyLine] = []
-            for stmt in block.body:
-                if id(stmt) in self.emptied:
-                    carried.extend(stmt.leading_lines)
-                elif carried:
-                    body.append(stmt.with_changes(leading_lines=[*carried, *stmt.leading_lines]))
-                    carried = []
-                else:
-                    body.append(stmt)
+            body, carried = _without(block.body, lambda stmt: id(stmt) in self.emptied, lambda a, b: [*a, *b])
             if not body:  # the block held only imports that went: it keeps a `pass` under the comments
                 return block.with_changes(body=[cst.SimpleStatementLine([cst.Pass()], leading_lines=carried)])
             return block.with_changes(body=body, footer=[*carried, *block.footer])
