@@ -457,24 +457,31 @@ def _write_report(path: str, results: List["FileResult"], target: str, written: 
                   steps: Sequence[str] = ()) -> None:
     """What changed and what needs a human, per file: Markdown, or JSON for a .json name.
     Written as the scripts are: whole or not at all, never through a FIFO or device."""
-    from gpumigrate.rewriter.files import Refused, write_atomic
-    from gpumigrate.rewriter.report import migration_report
-
     from gpumigrate.codemods import ALL_RULES
+    from gpumigrate.rewriter.report import migration_report
 
     done = {rule.code: (rule.message, rule.done) for rule in ALL_RULES if rule.done}
     text = migration_report(results, target, json_format=path.endswith(".json"), written=written, done=done,
                             next_steps=steps)
+    _write_whole("--report", path, text)
+
+
+def _write_whole(option: str, path: str, text: str) -> None:
+    """The file an option (--report, --output-file) names, written as the scripts are: whole
+    or not at all (temp file + rename), never through a FIFO or device; a failure is one line
+    and exit 2."""
+    from gpumigrate.rewriter.files import Refused, write_atomic
+
     umask = os.umask(0)
     os.umask(umask)
     try:
         write_atomic(path, text.encode("utf-8"), new_mode=0o666 & ~umask)
+        return
     except Refused as exc:
-        _err(f"error: --report {path}: {exc}")
-        sys.exit(EXIT_ERROR)
+        _err(f"error: {option} {path}: {exc}")
     except OSError as exc:
-        _err(f"error: --report {path}: cannot write: {exc.strerror or exc}")
-        sys.exit(EXIT_ERROR)
+        _err(f"error: {option} {path}: cannot write: {exc.strerror or exc}")
+    sys.exit(EXIT_ERROR)
 
 
 def _inputs(paths: Sequence[str], stdin_filename: Optional[str], config_file: Optional[str] = None,
@@ -677,8 +684,8 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
 
     from gpumigrate.codemods import OPT_IN, opted_in  # a rule named in full also reports its migration notes
 
-    processed = _process(files, stdin_filename, plan, {OPT_IN: opted_in(selection.chosen),
-                                                       **_conversions(py2, reformat_notebooks)},
+    options = {OPT_IN: opted_in(selection.chosen), **_conversions(py2, reformat_notebooks)}
+    processed = _process(files, stdin_filename, plan, options,
                          max_size=config.max_file_size, jobs=jobs,
                          cache=not no_cache, stdin=reading_stdin, file_timeout=config.file_timeout)
     streaming = fmt == "text" and not show_diff and not (fix and reading_stdin) and not statistics and sink is None
@@ -717,7 +724,6 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
         from gpumigrate.rewriter.cache import Cache, cache_dir
         from gpumigrate.rewriter.workers import Task, process_cached
 
-        options = {OPT_IN: opted_in(selection.chosen), **_conversions(py2, reformat_notebooks)}
         named = (stdin_filename or STDIN) if reading_stdin else None  # the name stdin's rules were chosen by
         tasks = [Task(path, _frozen([(selection.for_file(named or path), codes)]), options, tuple(_repairs()), None,
                       source) for path, (codes, source) in to_fix.items()]
@@ -746,7 +752,7 @@ def lint(paths: Tuple[str, ...], select: Tuple[str, ...], extend_select: Tuple[s
     elif not show_diff and not streaming:  # stdin's fixed source is the output: findings go to stderr
         click.echo(report.as_text(located, styled=True), nl=False, err=True, color=colour)
     if sink is not None:
-        _write_output_file(output_file, "".join(sink))
+        _write_whole("--output-file", output_file, "".join(sink))
     fixable = sum(1 for i in located if RULES_BY_CODE[i.finding.code].fixed_in and not i.finding.review)
     if not quiet:
         _lint_summary(len(located), fixable, fixed, len(files_with), len(files) - failed, failed, fix, show_diff)
@@ -764,19 +770,6 @@ def _with_fixes(found: List[Any], fixing: "FileResult", done: Dict[str, str]) ->
     applied = {(f.line, f.col, f.code) for f in fixing.findings if f.fixed}
     edits = report.fix_edits(fixing.source, fixing.new_source)
     return report.with_edits(found, edits, lambda f: (f.line, f.col, f.code) in applied, done)
-
-
-def _write_output_file(path: str, text: str) -> None:
-    """Whole or not at all (temp file + rename), as the scripts and the report are written."""
-    from gpumigrate.rewriter.files import Refused, write_atomic
-
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        write_atomic(path, text.encode("utf-8"), new_mode=0o666 & ~umask)
-    except (Refused, OSError) as exc:
-        _err(f"error: --output-file {path}: cannot write: {getattr(exc, 'strerror', None) or exc}")
-        sys.exit(EXIT_ERROR)
 
 
 def _lint_summary(found: int, fixable: int, fixed: int, files_with: int, checked: int, failed: int, fix: bool,
@@ -881,14 +874,12 @@ def rules_markdown() -> str:
 def explain(code: str) -> None:
     """Print a rule's documentation and examples (CODE: a code or a name, GM301 or tensor-accumulation)."""
     from gpumigrate.codemods import RULES_BY_CODE, opt_in_note
-    from gpumigrate.codemods.base import Clean, Flagged
+    from gpumigrate.codemods.base import LINT_FIX, Clean, Flagged
 
     try:
         rule = RULES_BY_CODE[_rule_code(code)]
     except click.UsageError as exc:
         raise click.BadParameter(exc.message.replace("no rule matches", "no rule"), param_hint="CODE") from None
-    from gpumigrate.codemods.base import LINT_FIX
-
     targets = sorted(rule.fixed_in - {LINT_FIX})
     fix = (f"the migration to {', '.join(targets)}" if targets else
            "`gpumigrate lint --fix` only (no migration)" if rule.fixed_in else "none (lint only)")
