@@ -103,15 +103,10 @@ def _alias(finding: Finding) -> str:
 def as_text(items: Sequence[Located], styled: bool = False) -> str:
     """`path:line:col: CODE [ALIAS] message` lines; `styled`: path bold, code bold red, as ruff
     (click.echo drops the styles where colour is off)."""
-    if not styled:
-        return "".join(f"{location(i.path, i.finding)}: {i.finding.code}{_alias(i.finding)} {i.finding.message}\n"
-                       for i in items)
-    out = []
-    for i in items:
-        where = location(i.path, i.finding)[len(i.path):]
-        out.append(f"{click.style(i.path, bold=True)}{click.style(where + ':', fg='cyan')} "
-                   f"{click.style(i.finding.code, fg='red', bold=True)}{_alias(i.finding)} {i.finding.message}\n")
-    return "".join(out)
+    style = click.style if styled else (lambda text, **_: text)
+    return "".join(f"{style(i.path, bold=True)}{style(location(i.path, i.finding)[len(i.path):] + ':', fg='cyan')} "
+                   f"{style(i.finding.code, fg='red', bold=True)}{_alias(i.finding)} {i.finding.message}\n"
+                   for i in items)
 
 
 def statistics(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> List[Dict[str, Any]]:
