@@ -130,17 +130,14 @@ def _walk(root: Path, exclude: Exclusions) -> Iterator[Path]:
             return True
         if folder not in kept:
             name = folder.name
-            kept[folder] = searched(folder.parent) and not (
-                name.startswith(".") or name in SKIP_DIRS or _is_virtualenv(folder)
-                or exclude.matches(folder, is_dir=True))
+            kept[folder] = searched(folder.parent) and not _skipped_dir(folder, exclude)
         return kept[folder]
 
     for rel in sorted(listed, key=_walk_order):
         candidate = root.joinpath(*rel)
         if not searched(candidate.parent):
             continue
-        if rel[-1].endswith(SUFFIXES) and not exclude.matches(candidate) and not _special(candidate) \
-                and os.path.lexists(candidate):  # a tracked file deleted on disk is not a script
+        if _script(candidate, exclude) and os.path.lexists(candidate):  # a tracked file deleted on disk is not one
             yield candidate
         elif not rel[-1].startswith(".") and rel[-1] not in SKIP_DIRS and os.path.isdir(candidate) \
                 and not os.path.islink(candidate) and searched(candidate):
@@ -182,16 +179,24 @@ def _walk_folder(root: Path, exclude: Exclusions) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         ignored.enter(here)
-        dirnames[:] = sorted(
-            d for d in dirnames
-            if not d.startswith(".") and d not in SKIP_DIRS and not _is_virtualenv(here / d)
-            and not exclude.matches(here / d, is_dir=True) and not ignored.matches(here / d, is_dir=True)
-        )
+        dirnames[:] = sorted(d for d in dirnames
+                             if not _skipped_dir(here / d, exclude) and not ignored.matches(here / d, is_dir=True))
         for name in sorted(filenames):
             candidate = here / name
-            if name.endswith(SUFFIXES) and not exclude.matches(candidate) and not ignored.matches(candidate) \
-                    and not _special(candidate):
+            if _script(candidate, exclude) and not ignored.matches(candidate):
                 yield candidate
+
+
+def _skipped_dir(folder: Path, exclude: Exclusions) -> bool:
+    """A folder never searched: hidden, a cache, a virtual environment, or excluded."""
+    name = folder.name
+    return name.startswith(".") or name in SKIP_DIRS or _is_virtualenv(folder) or exclude.matches(folder, is_dir=True)
+
+
+def _script(path: Path, exclude: Exclusions) -> bool:
+    """A file a directory search takes: named like a script or notebook, not excluded, and
+    not a FIFO, device or socket."""
+    return path.name.endswith(SUFFIXES) and not exclude.matches(path) and not _special(path)
 
 
 def _special(path: Path) -> bool:
