@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence
 
+from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE
 from gpumigrate.targets import target_bases
-
-RUNTIME_PACKAGE = "gpumigrate.runtime"
-VENDORED = "gpumigrate_runtime"
 
 
 def _imports(result: Any, module: str) -> bool:
