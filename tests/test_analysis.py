@@ -271,6 +271,10 @@ def test_a_name_bound_in_both_branches_reaches_code_that_runs_later():
         x = 2
         def h():
             return x
+        one = make_a()
+        if sys.argv: one = make_b()
+        def k():
+            return one
     """)
     s = model.s
     scope_of = lambda name: s.scope(next(f.node for f in s.functions.values() if f.node.name.value == name))
@@ -280,3 +284,5 @@ def test_a_name_bound_in_both_branches_reaches_code_that_runs_later():
     assert len(seen) == 1  # the unconditional rebinding hides both branches
     _, seen = s.lookup("x", scope_of("h"))
     assert [b.value.value for b in seen] == ["2"]
+    _, seen = s.lookup("one", scope_of("k"))  # bodies on the `if` line are branches too
+    assert [b.value.func.value for b in seen] == ["make_a", "make_b"]

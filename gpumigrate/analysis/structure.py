@@ -96,7 +96,7 @@ def target_names(target: cst.CSTNode) -> List[str]:
 
 
 _STATEMENTS = (cst.BaseSmallStatement, cst.BaseCompoundStatement)
-# where a body may not run: a branch, a loop, a handler (an Else is itself the body holder)
+# what holds a body that may not run: a branch, a loop, a handler
 _BRANCHES = (cst.If, cst.Else, cst.For, cst.While, cst.Try, cst.ExceptHandler, cst.MatchCase)
 
 
@@ -402,8 +402,7 @@ class Structure:
         for node in self.ancestors(binding.stmt):
             if node is stop:
                 return False
-            if isinstance(node, (cst.IndentedBlock, cst.Else)) and isinstance(
-                    self.index.parent.get(id(node)) if isinstance(node, cst.IndentedBlock) else node, _BRANCHES):
+            if isinstance(node, cst.BaseSuite) and isinstance(self.index.parent.get(id(node)), _BRANCHES):
                 start = self.index.start.get(id(node), -1)
                 if not start <= at < self.index.end[id(node)]:
                     return True
