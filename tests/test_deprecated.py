@@ -78,11 +78,32 @@ def test_symeig_keeps_the_upper_triangle():
     assert migrated(kept) == kept
 
 
-def test_lstsq_and_eig_are_reported_not_fixed():
-    source = "import torch\nx = torch.lstsq(B, A)[0]\nw, v = torch.eig(A, True)\n"
-    assert migrated(source) == source
-    messages = [f.message for f in migrate(source.encode()).findings if f.code == "GM211"]
-    assert any("torch.linalg.lstsq" in m for m in messages) and any("complex" in m for m in messages)
+def test_lstsq_and_eig_are_fixed_where_the_first_result_alone_is_read():
+    source = "import torch\nx = torch.lstsq(B, A)[0]\ne, _ = torch.eig(A)\nw, v = torch.eig(A, True)\nX, QR = torch.lstsq(B, A)\n"
+    out = migrated(source)
+    assert "x = torch.linalg.lstsq(A, B).solution\ne = torch.view_as_real(torch.linalg.eigvals(A))\n" in out
+    assert "w, v = torch.eig(A, True)\nX, QR = torch.lstsq(B, A)\n" in out  # the second results are read
+    findings = [f for f in migrate(source.encode()).findings if f.code == "GM211"]
+    review = [(f.line, f.message) for f in findings if f.review]
+    assert [line for line, _ in review] == [2, 4, 5]  # lstsq's rows; eig's vectors; lstsq's QR
+    assert "n rows" in review[0][1] and "complex" in review[1][1]
+
+
+def test_fixed_lstsq_and_eig_give_what_the_old_calls_gave():
+    """torch.eig gave the eigenvalues as (n, 2) rows of (real, imaginary) (±i for a quarter
+    turn), torch.lstsq the solution in its first n rows (all of them for a square A)."""
+    import torch
+
+    out = migrated("import torch\ne = torch.eig(R)[0]\nx, _ = torch.lstsq(B, A)\ny = torch.lstsq(B, M).solution\n")
+    torch.manual_seed(0)
+    A, M = torch.randn(3, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    scope = {"R": torch.tensor([[0.0, -1.0], [1.0, 0.0]]), "A": A, "M": M, "B": torch.randn(3, 2, dtype=torch.float64)}
+    scope["B6"] = torch.randn(6, 2, dtype=torch.float64)
+    exec(out.replace("torch.lstsq(B, M)", "torch.lstsq(B6, M)").replace("(M, B)", "(M, B6)"), scope)
+    assert torch.equal(scope["e"], torch.tensor([[0.0, 1.0], [0.0, -1.0]]))
+    assert torch.allclose(A @ scope["x"], scope["B"])
+    normal = torch.linalg.solve(M.t() @ M, M.t() @ scope["B6"])  # the normal equations' solution
+    assert scope["y"].shape == (3, 2) and torch.allclose(scope["y"], normal)
 
 
 def test_range_is_reported_not_fixed():
@@ -119,7 +140,10 @@ def test_fixed_fixture_runs_and_prints_what_modern_code_prints(tmp_path):
                      ("torch.matrix_rank", "torch.linalg.matrix_rank"),
                      ("torch.chain_matmul(A, B, B.t())", "torch.linalg.multi_dot([A, B, B.t()])"),
                      ("torch.qr", "torch.linalg.qr"), ("torch.cholesky", "torch.linalg.cholesky"),
-                     ("torch.ger", "torch.outer")]:
+                     ("torch.ger", "torch.outer"),
+                     ("torch.eig(A)[0]", "torch.view_as_real(torch.linalg.eigvals(A))"),
+                     ("s, _ = torch.lstsq(torch.randn(6, 2, dtype=torch.float64), C)",
+                      "s = torch.linalg.lstsq(C, torch.randn(6, 2, dtype=torch.float64)).solution")]:
         assert old in text
         text = text.replace(old, new)
     modern.write_text(text)

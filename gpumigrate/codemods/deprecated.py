@@ -142,9 +142,11 @@ class RemovedFunction(_TableRule):
     `--to device` fixes a call where the new one gives the same result: `torch.solve`
     whose solution alone is read (`[0]`, `.solution`, `x, _ = ...`); `torch.symeig` with
     literal `eigenvectors`/`upper` (eigenvalues only: `torch.linalg.eigvalsh`, where the empty
-    second result is not read); `torch.matrix_rank(A)`. The others (`torch.lstsq`, whose
-    solution has another shape; `torch.eig`, whose results are complex) are listed for review
-    with their replacement.
+    second result is not read); `torch.matrix_rank(A)`; `torch.eig` whose eigenvalues alone
+    are read (`torch.view_as_real(torch.linalg.eigvals(A))`, the same (n, 2) rows); `torch.lstsq`
+    whose solution alone is read (`torch.linalg.lstsq(A, B).solution`, with a review line: it
+    has n rows where the old one had max(m, n)). The others (eigenvectors in torch.eig's real
+    packed form, lstsq's QR factors) are listed for review with their replacement.
     """
 
     code = "GM211"
@@ -171,8 +173,11 @@ class RemovedFunction(_TableRule):
         Flagged("import torch\ne = torch.symeig(A)[0]\n", fixed='import torch\ne = torch.linalg.eigvalsh(A, UPLO="U")\n'),
         Flagged("import torch\nE, Z = torch.symeig(A, eigenvectors, True)\n"),  # not a literal: review
         Flagged("import torch as tt\nr = tt.matrix_rank(A)\n", fixed="import torch as tt\nr = tt.linalg.matrix_rank(A)\n"),
-        Flagged("import torch\nx = torch.lstsq(B, A)[0]\n"),  # shape differs: review
-        Flagged("import torch\nw, v = torch.eig(A, eigenvectors=True)\n"),
+        Flagged("import torch\nx = torch.lstsq(B, A)[0]\n", fixed="import torch\nx = torch.linalg.lstsq(A, B).solution\n"),
+        Flagged("import torch\nx, qr = torch.lstsq(B, A)\n"),  # the QR factors are read: review
+        Flagged("import torch\ne, _ = torch.eig(A)\n",
+                fixed="import torch\ne = torch.view_as_real(torch.linalg.eigvals(A))\n"),
+        Flagged("import torch\nw, v = torch.eig(A, eigenvectors=True)\n"),  # packed real eigenvectors: review
         Flagged("from torch import symeig as xxx\nE, Z = xxx(A, eigenvectors=True)\n",
                 fixed='from torch import symeig as xxx\nimport torch\n\nE, Z = torch.linalg.eigh(A, UPLO="U")\n'),
         Clean("import torch\nx = torch.linalg.solve(A, B)\ne, v = torch.linalg.eigh(A)\n"),
@@ -213,9 +218,13 @@ class RemovedFunction(_TableRule):
             return None
         self.report(original.func, f"`{entry.name}` → `{entry.replacement}`" if self.fixing
                     else f"{self._describe(entry)}; `--to device` fixes it")
+        if self.fixing and entry.name == "torch.lstsq":
+            self.report(original.func, "the least-squares solution now has n rows (A's columns) where "
+                        "torch.lstsq's had max(m, n), the rows below n holding residuals: check code that "
+                        "reads those rows", review=True)
         return new if self.fixing else None
 
-    def _fix(self, entry: Deprecation, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
+    def _fix(self, entry: Deprecation, original: cst.Call, updated: cst.Call) -> Optional[cst.BaseExpression]:
         if not _plain(original):
             return None
         name = entry.name
@@ -256,7 +265,35 @@ class RemovedFunction(_TableRule):
                 return None
             return updated.with_changes(func=_spell(self, "torch.linalg.matrix_rank", original.func) if self.fixing
                                         else updated.func)
-        return None  # torch.lstsq (another shape), torch.eig (complex), ...: review
+        if name == "torch.lstsq":
+            # the solution alone: the QR factors have no counterpart (linalg.lstsq does not return them)
+            if len(original.args) != 2 or any(a.keyword for a in original.args):
+                return None
+            where = self._first_only(original, "solution")
+            if where is None:
+                return None
+            self.replace[id(where[0])] = where[1]
+            b, a = updated.args
+            call = updated.with_changes(func=_spell(self, "torch.linalg.lstsq", original.func) if self.fixing
+                                        else updated.func,
+                                        args=[a.with_changes(comma=b.comma), b.with_changes(comma=a.comma)])
+            return cst.Attribute(value=call, attr=cst.Name("solution"))
+        if name == "torch.eig":
+            # eigenvalues alone: eig gave them as (n, 2) rows of (real, imaginary), view_as_real's
+            # layout, in LAPACK's order as linalg.eigvals; its real packed eigenvectors are not kept
+            vectors = get_arg(original, "eigenvectors", 1)
+            if len(original.args) != 1 + (vectors is not None) or original.args[0].keyword is not None:
+                return None
+            where = self._first_only(original, "eigenvalues")
+            if where is None:
+                return None
+            self.replace[id(where[0])] = where[1]
+            if not self.fixing:
+                return updated
+            first = updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            values = with_args(updated.with_changes(func=_spell(self, "torch.linalg.eigvals", original.func)), [first])
+            return cst.Call(func=_spell(self, "torch.view_as_real", original.func), args=[cst.Arg(values)])
+        return None  # torch.eig's eigenvectors (real packed pairs), an lstsq's QR, ...: review
 
     def _collapse(self, original: cst.CSTNode, updated: cst.CSTNode):
         how = self.replace.get(id(original)) if self.fixing else None
