@@ -106,6 +106,29 @@ def test_fixed_lstsq_and_eig_give_what_the_old_calls_gave():
     assert scope["y"].shape == (3, 2) and torch.allclose(scope["y"], normal)
 
 
+def test_the_lapack_names_of_2018_are_fixed_to_what_they_computed():
+    """torch 1.0's potrf/potrs/potri took the upper factor by default, trtrs an upper
+    triangle, gesv reversed arguments: the fixed calls compute the same."""
+    import torch
+
+    source = ("import torch\nU = torch.potrf(A)\nx = torch.potrs(b, U)\ninv = torch.potri(U)\n"
+              "t = torch.trtrs(b, U)[0]\ng, _ = torch.gesv(b, A)\nLU, piv = torch.btrifact(A)\n"
+              "P, L, R = torch.btriunpack(LU, piv)\n")
+    out = migrated(source)
+    assert not any(f"torch.{n}(" in out for n in ("potrf", "potrs", "potri", "trtrs", "gesv", "btrifact", "btriunpack"))
+    torch.manual_seed(1)
+    g = torch.randn(4, 4, dtype=torch.float64)
+    A = g @ g.t() + 4 * torch.eye(4, dtype=torch.float64)
+    scope = {"A": A, "b": torch.randn(4, 2, dtype=torch.float64)}
+    exec(out, scope)
+    U = scope["U"]
+    assert torch.equal(U, U.triu()) and torch.allclose(U.t() @ U, A)
+    assert torch.allclose(A @ scope["x"], scope["b"]) and torch.allclose(A @ scope["g"], scope["b"])
+    assert torch.allclose(scope["inv"], torch.linalg.inv(A))
+    assert torch.allclose(U @ scope["t"], scope["b"])
+    assert torch.allclose(scope["P"] @ scope["L"] @ scope["R"], A)
+
+
 def test_range_is_reported_not_fixed():
     """torch.arange(a, b + 1) of integers makes int64 where torch.range made floats."""
     source = "import torch\nr = torch.range(0, 4)\n"

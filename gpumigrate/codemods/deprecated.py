@@ -115,6 +115,12 @@ class _TableRule(Rule):
         self.report(alias, f"import of {self._describe(entry)}", review=True, torchfix=self.torchfix[1])
 
 
+# potrf/potrs/potri: (position of `upper`, successor); upper=True was their default
+_UPPER_DEFAULT: Dict[str, Tuple[int, str]] = {"torch.potrf": (1, "torch.linalg.cholesky"),
+                                              "torch.potrs": (2, "torch.cholesky_solve"),
+                                              "torch.potri": (1, "torch.cholesky_inverse")}
+
+
 class RemovedFunction(_TableRule):
     """
     ## What it does
@@ -145,7 +151,9 @@ class RemovedFunction(_TableRule):
     second result is not read); `torch.matrix_rank(A)`; `torch.eig` whose eigenvalues alone
     are read (`torch.view_as_real(torch.linalg.eigvals(A))`, the same (n, 2) rows); `torch.lstsq`
     whose solution alone is read (`torch.linalg.lstsq(A, B).solution`, with a review line: it
-    has n rows where the old one had max(m, n)). The others (eigenvectors in torch.eig's real
+    has n rows where the old one had max(m, n)); the LAPACK names of 2018 (`torch.gesv`,
+    `torch.gels`, `torch.potrf`/`potrs`/`potri` with their `upper=True` default spelled out,
+    `torch.trtrs`, `torch.btrifact`, `torch.btriunpack`). The others (eigenvectors in torch.eig's real
     packed form, lstsq's QR factors) are listed for review with their replacement.
     """
 
@@ -178,6 +186,13 @@ class RemovedFunction(_TableRule):
         Flagged("import torch\ne, _ = torch.eig(A)\n",
                 fixed="import torch\ne = torch.view_as_real(torch.linalg.eigvals(A))\n"),
         Flagged("import torch\nw, v = torch.eig(A, eigenvectors=True)\n"),  # packed real eigenvectors: review
+        Flagged("import torch\nx, _ = torch.gesv(B, A)\n", fixed="import torch\nx = torch.linalg.solve(A, B)\n"),
+        Flagged("import torch\nU = torch.potrf(A)\n", fixed="import torch\nU = torch.linalg.cholesky(A).mH\n"),
+        Flagged("import torch\nx = torch.potrs(b, U)\n", fixed="import torch\nx = torch.cholesky_solve(b, U, upper=True)\n"),
+        Flagged("import torch\nx = torch.trtrs(b, U)[0]\n",
+                fixed="import torch\nx = torch.linalg.solve_triangular(U, b, upper=True)\n"),
+        Flagged("import torch\nlu, p = torch.btrifact(A)\n", fixed="import torch\nlu, p = torch.linalg.lu_factor(A)\n"),
+        Flagged("import torch\nx = torch.btrisolve(b, lu, p)\n"),  # vectors where lu_solve takes matrices: review
         Flagged("from torch import symeig as xxx\nE, Z = xxx(A, eigenvectors=True)\n",
                 fixed='from torch import symeig as xxx\nimport torch\n\nE, Z = torch.linalg.eigh(A, UPLO="U")\n'),
         Clean("import torch\nx = torch.linalg.solve(A, B)\ne, v = torch.linalg.eigh(A)\n"),
@@ -218,9 +233,9 @@ class RemovedFunction(_TableRule):
             return None
         self.report(original.func, f"`{entry.name}` → `{entry.replacement}`" if self.fixing
                     else f"{self._describe(entry)}; `--to device` fixes it")
-        if self.fixing and entry.name == "torch.lstsq":
+        if self.fixing and entry.name in ("torch.lstsq", "torch.gels"):
             self.report(original.func, "the least-squares solution now has n rows (A's columns) where "
-                        "torch.lstsq's had max(m, n), the rows below n holding residuals: check code that "
+                        f"`{entry.name}`'s had max(m, n), the rows below n holding residuals: check code that "
                         "reads those rows", review=True)
         return new if self.fixing else None
 
@@ -228,7 +243,19 @@ class RemovedFunction(_TableRule):
         if not _plain(original):
             return None
         name = entry.name
-        if name == "torch.solve":
+        if name in _UPPER_DEFAULT:  # potrf/potrs/potri: upper=True by default, their successors' False
+            return self._upper_fix(name, original, updated)
+        if name in ("torch.btrifact", "torch.btrifact_with_info", "torch.btriunpack"):
+            pivot = get_arg(original, "pivot", 1) if name != "torch.btriunpack" else None
+            if name != "torch.btriunpack" and (len(original.args) != 1 + (pivot is not None)
+                                               or pivot is not None and literal_bool(pivot.value) is not True):
+                return None
+            args = updated.args if pivot is None else [updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+            return with_args(updated.with_changes(func=_spell(self, entry.replacement, original.func) if self.fixing
+                                                  else updated.func), args)
+        if name == "torch.trtrs":
+            return self._trtrs_fix(original, updated)
+        if name in ("torch.solve", "torch.gesv"):
             if len(original.args) != 2 or any(a.keyword for a in original.args):
                 return None
             where = self._first_only(original, "solution")
@@ -265,7 +292,7 @@ class RemovedFunction(_TableRule):
                 return None
             return updated.with_changes(func=_spell(self, "torch.linalg.matrix_rank", original.func) if self.fixing
                                         else updated.func)
-        if name == "torch.lstsq":
+        if name in ("torch.lstsq", "torch.gels"):
             # the solution alone: the QR factors have no counterpart (linalg.lstsq does not return them)
             if len(original.args) != 2 or any(a.keyword for a in original.args):
                 return None
@@ -294,6 +321,49 @@ class RemovedFunction(_TableRule):
             values = with_args(updated.with_changes(func=_spell(self, "torch.linalg.eigvals", original.func)), [first])
             return cst.Call(func=_spell(self, "torch.view_as_real", original.func), args=[cst.Arg(values)])
         return None  # torch.eig's eigenvectors (real packed pairs), an lstsq's QR, ...: review
+
+    def _upper_fix(self, name: str, original: cst.Call, updated: cst.Call) -> Optional[cst.BaseExpression]:
+        """potrf(A, upper) → linalg.cholesky(A)[.mH]; potrs(b, u, upper), potri(u, upper) → their
+        successors with `upper` spelled out (the defaults differ)."""
+        position, new_name = _UPPER_DEFAULT[name]
+        upper = get_arg(original, "upper", position)
+        if len(original.args) != position + (upper is not None) or any(a.keyword for a in original.args[:position]):
+            return None
+        is_upper = True if upper is None else literal_bool(upper.value)
+        if is_upper is None:
+            return None
+        if not self.fixing:
+            return updated
+        kept = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) if i == position - 1 else a
+                for i, a in enumerate(updated.args[:position])]
+        if name != "torch.potrf":
+            kept.append(keyword_arg("upper", cst.Name(str(is_upper))))
+        call = with_args(updated.with_changes(func=_spell(self, new_name, original.func)), kept)
+        return cst.Attribute(value=call, attr=cst.Name("mH")) if name == "torch.potrf" and is_upper else call
+
+    def _trtrs_fix(self, original: cst.Call, updated: cst.Call) -> Optional[cst.BaseExpression]:
+        """trtrs(b, A, upper=True, transpose=False, unitriangular=False)[0] →
+        linalg.solve_triangular(A, b, upper=...): the solution alone, no transpose."""
+        flags = [get_arg(original, key, i) for i, key in enumerate(("upper", "transpose", "unitriangular"), 2)]
+        if len(original.args) != 2 + sum(f is not None for f in flags) or any(a.keyword for a in original.args[:2]):
+            return None
+        upper, transpose, unit = (default if f is None else literal_bool(f.value)
+                                  for f, default in zip(flags, (True, False, False)))
+        if upper is None or transpose is not False or unit is None:
+            return None
+        where = self._first_only(original, "solution")
+        if where is None:
+            return None
+        self.replace[id(where[0])] = where[1]
+        if not self.fixing:
+            return updated
+        b, a = (arg.with_changes(comma=cst.MaybeSentinel.DEFAULT) for arg in updated.args[:2])
+        args = [a, b, keyword_arg("upper", cst.Name(str(upper)))]
+        if unit:
+            args.append(keyword_arg("unitriangular", cst.Name("True")))
+        return cst.Call(func=_spell(self, "torch.linalg.solve_triangular", original.func),
+                        args=[arg.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+                              for arg in args[:-1]] + [args[-1]])
 
     def _collapse(self, original: cst.CSTNode, updated: cst.CSTNode):
         how = self.replace.get(id(original)) if self.fixing else None
