@@ -9,7 +9,7 @@ from typing import Set
 import libcst as cst
 import libcst.matchers as m
 
-from gpumigrate.codemods.base import Clean, Flagged, Rule
+from gpumigrate.codemods.base import LINT_FIX, Clean, Flagged, Rule
 from gpumigrate.codemods.helpers import get_arg, keyword_arg, torch_name, with_args
 from gpumigrate.rewriter.names import dotted
 from gpumigrate.rewriter.facts import SourceFacts
@@ -36,8 +36,10 @@ class RequireGradTypo(Rule):
     for p in backbone.parameters():
         p.requires_grad = False
     ```
-    The fix renames the attribute where the file never reads `.require_grad` (then it
-    is the script's own attribute, not a typo, and is listed for review instead).
+    `lint --fix` renames the attribute where the file never reads `.require_grad` (then it
+    is the script's own attribute, not a typo, and is listed for review instead). Migrations
+    list it for review: the fix changes which parameters train, and `verify` would rightly
+    see another training.
     """
 
     code = "GM801"
@@ -45,7 +47,10 @@ class RequireGradTypo(Rule):
     torchfix = ("TOR002",)
     message = "`.require_grad` is a typo of `.requires_grad`: the assignment does nothing"
     done = "`.require_grad =` → `.requires_grad =`"
-    fixed_in = frozenset({"device"})
+    # the fix changes what trains (the typo's layer was trained, or never got a gradient): a
+    # migration keeps the script's behaviour and lists it; `lint --fix` is the user asking
+    fixed_in = frozenset({LINT_FIX})
+    reported_in = frozenset({"device"})
     triggers = ("require_grad",)
 
     examples = (
