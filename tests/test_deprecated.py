@@ -215,6 +215,13 @@ def test_text_and_json_show_the_torchfix_code(tmp_path):
     rows = json.loads(runner.invoke(main, ["lint", "--isolated", "--no-cache", "--format", "json", str(path)]).stdout)
     assert {(r["code"], r.get("torchfix")) for r in rows} >= {("GM212", "TOR101"), ("GM212", "TOR103")}
     assert all("torchfix" not in r for r in rows if not r["code"].startswith("GM21"))
+    sarif = json.loads(runner.invoke(main, ["lint", "--isolated", "--no-cache", "--format", "sarif", str(path)]).stdout)
+    results = sarif["runs"][0]["results"]
+    assert {(r["ruleId"], r.get("properties", {}).get("torchfix")) for r in results} == \
+        {("GM212", "TOR101"), ("GM212", "TOR103"), ("GM101", None)}
+    github = runner.invoke(main, ["lint", "--isolated", "--no-cache", "--format", "github", str(path)]).stdout
+    assert "title=GM212 [TOR101]::GM212 [TOR101] `torch.qr` is deprecated" in github
+    assert "title=GM101::GM101 " in github
 
 
 def test_explain_names_the_torchfix_codes():

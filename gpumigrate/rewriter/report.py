@@ -230,8 +230,11 @@ def as_sarif(items: Sequence[Located], rules: Dict[str, RuleInfo]) -> str:
                 }
             }],
         }
-        if f.cell:
-            result["properties"] = {"cell": f.cell, "cellLine": f.line, "cellColumn": f.col + 1}
+        properties = {"cell": f.cell, "cellLine": f.line, "cellColumn": f.col + 1} if f.cell else {}
+        if f.alias:  # TorchFix's code for the same finding, where there is one
+            properties["torchfix"] = f.alias
+        if properties:
+            result["properties"] = properties
         if f.code in index:
             result["ruleIndex"] = index[f.code]
         results.append(result)
@@ -255,11 +258,12 @@ def as_github(items: Sequence[Located]) -> str:
     out = []
     for i in items:
         line, col, end, end_col = _in_file(i)
-        title = i.finding.code + (f" (cell {i.finding.cell}:{i.finding.line}:{i.finding.col + 1})" if i.finding.cell else "")
+        code = i.finding.code + (f" [{i.finding.alias}]" if i.finding.alias else "")  # as the text output
+        title = code + (f" (cell {i.finding.cell}:{i.finding.line}:{i.finding.col + 1})" if i.finding.cell else "")
         # GitHub takes columns only on a one-line annotation
         columns = f"col={col},endColumn={end_col}," if end == line and end_col else f"col={col}," if end == line else ""
         out.append(f"::warning file={_escape(i.path, True)},line={line},{columns}endLine={end},"
-                   f"title={_escape(title, True)}::{_escape(i.finding.code + ' ' + i.finding.message)}\n")
+                   f"title={_escape(title, True)}::{_escape(code + ' ' + i.finding.message)}\n")
     return "".join(out)
 
 
