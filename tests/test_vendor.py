@@ -125,7 +125,7 @@ def test_bundling_refuses_what_would_change_meaning(change, message):
 def test_the_real_runtime_has_no_name_clash():
     # The same check as above, on the package as it is: a new private helper named like one
     # in another runtime module must fail here, not in a user's script.
-    assert set(runtime_sources()) >= {"__init__", "device", "distributed", "precision"}
+    assert set(runtime_sources()) >= {"__init__", "device", "distributed", "precision", "sharding"}
     compile(bundled_runtime(), VENDORED_FILE, "exec")
 
 

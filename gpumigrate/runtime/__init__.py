@@ -2,7 +2,8 @@
 
 Depends on torch only. Importing this module has no side effects and no cost beyond torch;
 the only communication per training step is the gradient averaging data parallelism needs
-(DDP's for `wrap_model` models, `setup_distributed`'s for the others: see averaging.py).
+(DDP's for `wrap_model` models, FSDP's for `shard_model` models, `setup_distributed`'s for the
+others: see averaging.py).
 """
 
 from gpumigrate.runtime.averaging import average_gradients
@@ -34,6 +35,14 @@ from gpumigrate.runtime.precision import (
     load_scaler_state,
     optimizer_params,
 )
+from gpumigrate.runtime.sharding import (
+    full_model,
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    shard_model,
+)
 
 __all__ = [
     "accelerator_available",
@@ -44,12 +53,17 @@ __all__ = [
     "broadcast_object",
     "cleanup_distributed",
     "distributed_sampler",
+    "full_model",
+    "full_optimizer_state_dict",
+    "full_state_dict",
     "get_device",
     "get_rank",
     "get_world_size",
     "grad_scaler",
     "is_main_process",
     "keep_batchnorm_fp32",
+    "load_full_optimizer_state_dict",
+    "load_full_state_dict",
     "load_scaler_state",
     "optimizer_params",
     "reduce_mean",
@@ -58,6 +72,7 @@ __all__ = [
     "setup_distributed",
     "shard_length",
     "shard_loader",
+    "shard_model",
     "shard_rows",
     "synchronize",
     "tensor_type",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import sys
 import warnings
 import weakref
@@ -64,11 +65,20 @@ from gpumigrate.runtime.uneven import AVERAGE, REDUCE, _collective, agree, remem
 #   that hold any of the optimizer's parameters; their BatchNorm-like modules (float buffers
 #   `running_mean`/`running_var`), outside any DDP, ordered by (the optimizer's index of the
 #   model's first parameter, position in the model), which is the same on every rank.
+#   Models that `shard_model` sharded (FSDP2: DTensor parameters, whose gradients FSDP
+#   averages) are found the same way, and their statistics averaged at each `step()`: FSDP
+#   does not synchronise buffers, and each rank would keep its own. Every rank then holds the
+#   same statistics, as under DDP (which keeps rank 0's), here the mean, as for the models above.
+# - Clipping sharded (DTensor) parameters: torch's clip_grad_norm_ returns a DTensor norm,
+#   and refuses DTensors mixed with plain tensors (a loss module beside a sharded model). The
+#   wrapper returns the plain norm, as in one process, and clips a mixed list in two parts
+#   with the norm of both.
 
 _MARK = "_gpumigrate_averaged"  # on a gradient: its _version when it was last averaged
 _PLAN = "_gpumigrate_plan"  # on an optimizer: its _Plan
 
 _BY_DDP: Dict[int, "weakref.ref[torch.Tensor]"] = {}  # parameters a DDP averages, by id
+_BY_FSDP: Dict[int, "weakref.ref[torch.Tensor]"] = {}  # parameters shard_model sharded, by id
 _NO_GRAD: Dict[int, "weakref.ref[torch.Tensor]"] = {}  # without a gradient on any rank at their last average
 _OPTIMIZERS: Dict[int, Tuple[int, "weakref.ref[torch.optim.Optimizer]"]] = {}  # by id: (order made, ref)
 _CLIP_PLANS: Dict[Any, Tuple[Tuple[Any, ...], Optional["_Plan"]]] = {}  # parameter ids -> (optimizers, rest)
@@ -105,6 +115,17 @@ def _note_wrapped(model: nn.Module) -> bool:
     if new:
         _wrapped_version += 1
     return new
+
+
+def _note_sharded(model: nn.Module) -> None:
+    """Record the parameters `shard_model` sharded (their models' BatchNorm statistics are
+    averaged at each step), and make every plan stale: it may hold the parameters that
+    sharding replaced."""
+    global _wrapped_version
+    for param in model.parameters():
+        if _sharded(param):
+            _remember(_BY_FSDP, param)
+    _wrapped_version += 1
 
 
 def _sharded(param: torch.Tensor) -> bool:
@@ -163,14 +184,16 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer) -> _Plan:
     global _plans_version
     first = plan is None
     _note_optimizer(optimizer)
-    params = _unwrapped(p for group in optimizer.param_groups for p in group["params"])
+    every = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _unwrapped(every)
+    sharded = list({id(p): p for p in every if _in(_BY_FSDP, p)}.values())
     buffers: List[torch.Tensor] = []
-    if params:
+    if params or sharded:
         modules = _live_modules()
         found = [m for m in modules if isinstance(m, nn.parallel.DistributedDataParallel)]
         if any([_note_wrapped(m) for m in found]):  # a DDP the script made itself
             params = _unwrapped(params)
-        buffers = _running_stats(modules, params)
+        buffers = _running_stats(modules, params + sharded)  # the models of both
     plan = _Plan(params, buffers, _OPTIMIZERS[id(optimizer)][0])
     plan.groups = optimizer.param_groups
     plan.lists = tuple((group["params"], len(group["params"])) for group in plan.groups)
@@ -263,10 +286,11 @@ def _mark(params: Sequence[torch.Tensor]) -> None:
             _NO_GRAD.pop(id(param), None)
 
 
-def _average(plan: _Plan) -> None:
-    """Average the plan's gradients (and statistics) across ranks unless they are averaged."""
+def _average(plan: _Plan, statistics: bool = False) -> None:
+    """Average the plan's gradients (and statistics) across ranks unless they are averaged;
+    `statistics`: a plan of statistics only (sharded models), averaged at every call."""
     params = [p for p in plan.params if p.requires_grad]
-    if not _changed(params) or not dist.is_initialized():
+    if not (statistics or _changed(params)) or not dist.is_initialized():
         return
     running = agree(AVERAGE, plan.key)
     flats = []
@@ -410,7 +434,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs
     """The global optimizer step pre-hook (`args` starts with the optimizer)."""
     plan = _optimizer_plan(optimizer)
     if not plan.params:
-        return None  # everything it trains is DDP's: the common case costs the cache check
+        if plan.buffers:  # a model shard_model sharded: FSDP averaged the gradients, not the statistics
+            _average(plan, statistics=True)
+        return None  # everything it trains is DDP's (or FSDP's): the common case costs the cache check
     _average(plan)
     closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
     if closure is None:
@@ -449,12 +475,49 @@ def _averaging_clip(clip: Callable[..., Any]) -> Callable[..., Any]:
         plans = [plan for plan in _plans_for(params) if plan.params]
         for plan in plans:
             _average(plan)
-        result = clip(params, *args, **kwargs)
+        dtensors = [p for p in params if _is_dtensor(p)]
+        if dtensors and len(dtensors) < len(params):
+            result = _clip_apart(clip, dtensors, [p for p in params if not _is_dtensor(p)], args, kwargs)
+        else:
+            result = clip(params, *args, **kwargs)
+        if _is_dtensor(result):  # the norm of sharded gradients: the same on every rank
+            result = result.full_tensor()
         for plan in plans:  # clipped alike on every rank: still averaged
             _mark([p for p in plan.params if p.requires_grad])
         return result
 
     return clip_averaged
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, getattr(dtensor, "DTensor", ()))
+
+
+def _clip_apart(clip: Callable[..., Any], dtensors: List[torch.Tensor], plain: List[torch.Tensor],
+                args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """`clip` of DTensors and plain tensors together, which torch refuses (its foreach ops take
+    one kind): by value, each part alone; by norm, each part scaled by the norm of both."""
+    from torch.nn import utils
+
+    if clip.__name__ != "clip_grad_norm_":
+        for part in (dtensors, plain):
+            result = clip(part, *args, **kwargs)
+        return result
+    if not hasattr(utils, "get_total_norm"):  # torch < 2.6: its own error
+        return clip(dtensors + plain, *args, **kwargs)
+    bound = inspect.signature(clip).bind(dtensors, *args, **kwargs)
+    bound.apply_defaults()
+    options = bound.arguments
+    norm_type, nonfinite, foreach = options["norm_type"], options["error_if_nonfinite"], options["foreach"]
+    norms = []
+    for part in (dtensors, plain):
+        norm = utils.get_total_norm([p.grad for p in part if p.grad is not None], norm_type, nonfinite, foreach)
+        norms.append(norm.full_tensor() if _is_dtensor(norm) else norm)
+    total = utils.get_total_norm(norms, norm_type, nonfinite, foreach)  # a p-norm of p-norms is the p-norm
+    for part in (dtensors, plain):
+        utils.clip_grads_with_norm_(part, options["max_norm"], total, foreach)
+    return total
 
 
 def _averaging_unscale(unscale: Callable[..., Any]) -> Callable[..., Any]:
