@@ -109,12 +109,14 @@ def main() -> None:
     Targets (--to, default device; a list such as ddp,amp combines them):
       device   any device: CUDA, MPS, XPU... or the CPU; today's torch
       ddp      DistributedDataParallel under torchrun (includes device)
+      fsdp     the model sharded across the ranks, FSDP2 (as ddp; not with it)
       amp      mixed precision: autocast and GradScaler (includes device)
 
     \b
       gpumigrate train.py --to device      rewrite in place (any accelerator or the CPU)
       gpumigrate train.py --to ddp         ... and for torchrun (DDP)
       gpumigrate train.py --to ddp,amp     ... and in mixed precision
+      gpumigrate train.py --to fsdp        ... sharded, for models that do not fit one GPU
       gpumigrate src/ --diff               show what would change
       gpumigrate - --stdin-filename t.py   read stdin, write the result to stdout
       gpumigrate lint src/                 report GPU memory and speed anti-patterns

@@ -4,9 +4,13 @@ without importing LibCST (`gpumigrate --help` stays fast)."""
 from typing import Dict, Tuple
 
 # A target includes the ones it builds on: ddp applies every device fix too, and so does amp.
+# fsdp is the ddp migration with each trained model sharded (FSDP2) instead of replicated:
+# it applies ddp's fixes (set-up, sampler, rank-0 outputs, reductions) and its own.
 TARGET_BASES: Dict[str, Tuple[str, ...]] = {"device": ("device",), "ddp": ("device", "ddp"),
-                                            "amp": ("device", "amp")}
+                                            "fsdp": ("device", "ddp", "fsdp"), "amp": ("device", "amp")}
 TARGETS = tuple(TARGET_BASES)
+# targets a list may not name together: each is a way of spreading the same model
+_EXCLUSIVE = (("ddp", "fsdp"),)
 
 
 class TargetError(ValueError):
@@ -22,6 +26,10 @@ def parse_target(text: str) -> str:
     for name in names:
         if name not in TARGET_BASES:
             raise TargetError(f"unknown target {name!r} (choose from {', '.join(TARGETS)}, or a comma-separated list)")
+    for pair in _EXCLUSIVE:
+        if all(name in names for name in pair):
+            raise TargetError(f"{' and '.join(pair)} cannot be combined: fsdp shards the model that ddp "
+                              "replicates (choose one; amp goes with either)")
     return ",".join(t for t in TARGETS if t in names)
 
 

@@ -57,6 +57,7 @@ from gpumigrate.codemods.memory import (
     TensorAccumulation,
     TensorInContainer,
 )
+from gpumigrate.codemods.sharding import FsdpShard
 from gpumigrate.codemods.speed import HostDeviceRoundtrip, LoaderNoPinMemory, LoaderNoWorkers, ZeroGradToZero
 from gpumigrate.codemods.api import CheckpointReentrant, NonPublicCollate, RequireGradTypo
 from gpumigrate.codemods.numerics import Expm1, Log1p, LogSumExp
@@ -103,6 +104,7 @@ ALL_RULES: Tuple[Type[Rule], ...] = (
     MakedirsRace,
     ApexParallel,
     DdpDeviceIds,
+    FsdpShard,
     AmpSetup,
     ApexAmp,
     HalfTraining,
@@ -159,6 +161,9 @@ def rules_for(target: str) -> List[Type[Rule]]:
 # decides where the model is wrapped (apex wants DDP after it), and ddp's rank-0 gates and
 # reductions then see the mixed-precision step they must not split.
 PASS_ORDER = ("device", "amp", "ddp")
+# fsdp's rules run in the ddp pass: its plan decides where models are sharded, as it decides
+# where they are wrapped, and the ddp rules ask whether fsdp's code is fixed there
+_PASS_OF = {"fsdp": "ddp"}
 
 
 def passes_for(target: str, rules: Sequence[Type[Rule]]) -> List[Tuple[List[Type[Rule]], List[str]]]:
@@ -168,9 +173,10 @@ def passes_for(target: str, rules: Sequence[Type[Rule]]) -> List[Tuple[List[Type
     decides from the code it rewrites, so ddp sees the device-agnostic script."""
     bases = set(target_bases(target))
     out, placed = [], set()
-    for base in sorted(bases, key=PASS_ORDER.index):
-        here = [r for r in rules if r not in placed and (base in r.fixed_in or not r.fixed_in & bases
-                                                         and base in getattr(r, "reported_in", frozenset()))]
+    for base in sorted({_PASS_OF.get(b, b) for b in bases}, key=PASS_ORDER.index):
+        members = {b for b in bases if _PASS_OF.get(b, b) == base}
+        here = [r for r in rules if r not in placed and (r.fixed_in & members or not r.fixed_in & bases
+                                                         and getattr(r, "reported_in", frozenset()) & members)]
         placed.update(here)
         if here:
             out.append((here, [r.code for r in here if r.fixed_in & bases]))

@@ -70,6 +70,22 @@ def _assign(name: str, value: cst.BaseExpression) -> cst.SimpleStatementLine:
                                                     value=value)])
 
 
+# The fsdp migration's own rule (codemods/sharding.py): fixed in a pass, the ddp rules of
+# that pass shard the trained models (FSDP2) where they would wrap them in DDP.
+FSDP_CODE = "GM415"
+
+
+def sharding(ctx) -> bool:
+    """The fsdp migration: trained models are sharded with `shard_model`, not DDP-wrapped."""
+    return FSDP_CODE in ctx.fixing
+
+
+def _mixed_precision(ctx) -> bool:
+    """The script runs under the runtime's autocast (the amp pass ran before): FSDP2 then
+    keeps parameters in the same low precision for the forward (`mixed_precision=True`)."""
+    return any(runtime_helper(q) in ("autocast", "grad_scaler") for q in ctx.names.local.values())
+
+
 def _guard(ctx, stmts: List[cst.BaseStatement]) -> cst.If:
     """`if is_main_process():` around statements, the first one's comments moved above."""
     first = stmts[0]
@@ -245,6 +261,11 @@ class DdpSetup(Rule):
         out = []
         for wrap in wraps:
             args = [cst.Arg(cst.parse_expression(wrap.name))]
+            if sharding(self.ctx):
+                if _mixed_precision(self.ctx):
+                    args.append(keyword_arg("mixed_precision", cst.Name("True")))
+                out.append(_assign(wrap.name, _call(self.ctx, "shard_model", args, self.fixing)))
+                continue
             if wrap.find_unused:
                 args.append(keyword_arg("find_unused_parameters", cst.Name("True")))
             if self.ctx.options.get("sync_bn"):
@@ -294,6 +315,12 @@ class DdpSetup(Rule):
 
     def _report(self, where, wraps) -> None:
         for wrap in wraps:
+            if sharding(self.ctx):  # GM415 says where it is sharded
+                if wrap.find_unused:
+                    self.report(where, f"`{wrap.name}`'s forward branches on its inputs: FSDP2 reduces every "
+                                       "parameter's gradient, and a parameter no rank used in a step gets none; "
+                                       "check that a step uses the same parameters on every rank", review=True)
+                continue
             why = " (a conditional forward: find_unused_parameters=True)" if wrap.find_unused else ""
             self.report(where, f"`{wrap.name}` trains in one process: wrapped in DistributedDataParallel{why}")
 
@@ -740,18 +767,35 @@ class CheckpointEveryRank(Rule):
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = ddp_plan(self.ctx)
         self.models = {w.name for w in self.plan.wraps}
+        self.optimizers = sharded_optimizers(self.plan, self.models) if sharding(self.ctx) else {}
 
     def _wrap(self, original, updated):
         if not self.plan.active or not self.plan.saves_here(original):
             return None
         for save in self.plan.saves_here(original):
             self.report(save)
+        first: List[cst.SimpleStatementLine] = []
+        if sharding(self.ctx):
+            updated, first = self._gathered(original, updated)
+            if first:  # the gathering leads, with the save's comments
+                first[0] = first[0].with_changes(leading_lines=updated.leading_lines)
+                updated = updated.with_changes(leading_lines=[])
         guarded = _guard(self.ctx, [updated])
         self.ctx.shared("rank-zero-gates", lambda ctx: set()).add(id(guarded))  # output may join it
-        if self.plan.barrier_after(original):
-            # the script reads checkpoints back: the other ranks wait for the write
-            return cst.FlattenSentinel([guarded, _line(_call(self.ctx, "barrier"))])
-        return guarded
+        # the script reads checkpoints back: the other ranks wait for the write
+        after = [_line(_call(self.ctx, "barrier"))] if self.plan.barrier_after(original) else []
+        return cst.FlattenSentinel([*first, guarded, *after]) if first or after else guarded
+
+    def _gathered(self, original, updated):
+        """fsdp: each state_dict of a sharded model (or of its optimizer) in a save is gathered
+        whole before the rank-0 gate, on every rank (a collective), and saved by rank 0."""
+        gather = _Gather(self, original, self.models, self.optimizers)
+        updated = updated.visit(gather)
+        if gather.first and not self.plan.uniform(original):
+            self.report(original, "gathering a sharded model's state_dict is a collective: every rank must reach "
+                                  "this save, which the migration cannot prove; check that all ranks take this "
+                                  "path together", review=True)
+        return updated, gather.first
 
     def leave_SimpleStatementLine(self, original, updated):
         if id(original) not in self.plan.gated_lines:
@@ -776,12 +820,110 @@ class CheckpointEveryRank(Rule):
         if self.qualify(original.func) != "torch.save" or not updated.args or not self.models:
             return None
         obj = updated.args[0]
+        if sharding(self.ctx):  # a gated save gathers the model whole (_Gather); elsewhere, review
+            line = self.plan.s.line(original)
+            gathered = id(line) in self.plan.gated_lines or any(
+                isinstance(a, cst.With) and self.plan.gated_with_saves(a) for a in self.plan.s.ancestors(original))
+            if not gathered and any(n.value in self.models for n in _saved_names(obj.value)):
+                self.report(original, "a sharded model saved whole pickles this rank's shards: save "
+                                      "`full_model(model)` (every rank calls it)", review=True)
+            return None
         new = obj.value.visit(_Unwrap(self.models, lambda: _call(self.ctx, "unwrap_model", (), self.fixing).func))
         if new.deep_equals(obj.value):
             return None
         self.report(original, "a wrapped model inside a checkpoint: saved unwrapped, so it loads without a "
                               "process group")
         return updated.with_changes(args=[obj.with_changes(value=new), *updated.args[1:]])
+
+
+def _saved_names(value: cst.BaseExpression) -> List[cst.Name]:
+    """The names of a saved object that are the object or its items (`[model, opt]`), not `model.x`."""
+    if isinstance(value, cst.Name):
+        return [value]
+    if isinstance(value, (cst.List, cst.Tuple)):
+        return [n for e in value.elements for n in _saved_names(e.value)]
+    if isinstance(value, cst.Dict):
+        return [n for e in value.elements if isinstance(e, cst.DictElement) for n in _saved_names(e.value)]
+    return []
+
+
+def sharded_optimizers(plan, models: Set[str]) -> Dict[str, str]:
+    """fsdp: the optimizer names (as bound) that train exactly one sharded model -> that model."""
+    out: Dict[str, str] = {}
+    for trained in plan.model.trained_models:
+        if trained.name not in models:
+            continue
+        for opt in trained.optimizers:
+            owners = {name for _, name in opt.owners}
+            above = plan.s.parent(opt.site)
+            if owners == {trained.name} and opt.resolved and isinstance(above, cst.Assign) and len(above.targets) == 1:
+                name = dotted(above.targets[0].target)
+                if name is not None:
+                    out[name] = trained.name
+    return out
+
+
+def _state_dict_of(call: cst.Call) -> Optional[str]:
+    """`X.state_dict()` or `unwrap_model(X).state_dict()`: X's dotted name."""
+    if call.args or not m.matches(call.func, m.Attribute(attr=m.Name("state_dict"))):
+        return None
+    receiver = call.func.value
+    if isinstance(receiver, cst.Call) and isinstance(receiver.func, cst.Name) and \
+            receiver.func.value == "unwrap_model" and len(receiver.args) == 1:
+        receiver = receiver.args[0].value
+    return dotted(receiver)
+
+
+class _Gather(cst.CSTTransformer):
+    """fsdp: `model.state_dict()` (and its optimizer's) inside a save → a name bound on every
+    rank, before the save's rank-0 gate, to `full_state_dict(model)`."""
+
+    def __init__(self, rule: Rule, where: cst.CSTNode, models: Set[str], optimizers: Dict[str, str]) -> None:
+        super().__init__()
+        self.rule, self.where, self.models, self.optimizers = rule, where, models, optimizers
+        self.first: List[cst.SimpleStatementLine] = []
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        ctx, fixing = self.rule.ctx, self.rule.fixing
+        if self.rule.qualify(updated.func) == "torch.save" and updated.args:
+            # torch.save(model, f), torch.save([model, opt], f): an unsharded copy of the model
+            names = {id(n) for n in _saved_names(updated.args[0].value) if n.value in self.models}
+            if names:
+                value = updated.args[0].value.visit(_Whole(self, names))
+                return updated.with_changes(args=[updated.args[0].with_changes(value=value), *updated.args[1:]])
+            return updated
+        owner = _state_dict_of(updated)
+        if owner in self.models:
+            value = _call(ctx, "full_state_dict", [cst.Arg(cst.parse_expression(owner))], fixing)
+        elif owner in self.optimizers:
+            value = _call(ctx, "full_optimizer_state_dict", [cst.Arg(cst.parse_expression(self.optimizers[owner])),
+                                                             cst.Arg(cst.parse_expression(owner))], fixing)
+        else:
+            return updated
+        name = fresh_name(ctx, owner.rsplit(".", 1)[-1] + "_state")
+        self.first.append(_assign(name, value))
+        self.rule.report(self.where, f"`{owner}.state_dict()` of a sharded model: gathered whole on every rank "
+                                   f"(`{name}`), saved by rank 0")
+        return cst.Name(name)
+
+
+class _Whole(cst.CSTTransformer):
+    """The sharded models of a saved object → names bound, before the rank-0 gate, to
+    `full_model(model)` (every rank gathers, rank 0 pickles a copy of the user's class)."""
+
+    def __init__(self, gather: _Gather, names: Set[int]) -> None:
+        super().__init__()
+        self.gather, self.names = gather, names
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
+        if id(original) not in self.names:
+            return updated
+        rule = self.gather.rule
+        name = fresh_name(rule.ctx, f"{original.value}_whole")
+        self.gather.first.append(_assign(name, _call(rule.ctx, "full_model", [cst.Arg(updated)], rule.fixing)))
+        rule.report(self.gather.where, f"`{original.value}` saved whole: an unsharded copy of its own class, "
+                                       f"gathered on every rank (`{name}`), pickled by rank 0")
+        return cst.Name(name)
 
 
 class _Unwrap(cst.CSTTransformer):
@@ -1176,7 +1318,9 @@ class WrappedAttribute(Rule):
         self.data_parallel: Set[str] = set()  # names only ever bound to an `nn.DataParallel` wrapper
         self.scopes: List[Tuple[Set[str], Set[str]]] = []
         if self.fixing and "GM400" in self.ctx.fixing:  # --to ddp wraps the models (not `lint --fix`)
-            self.wrapped = self.plan.wrapped_reference
+            # fsdp: a sharded model is still the user's class (FSDP2 wraps nothing): its
+            # attributes and keys are as they were
+            self.wrapped = (lambda ref: False) if sharding(self.ctx) else self.plan.wrapped_reference
             return
         wrappers = DATA_PARALLEL + DDP_CLASSES
         kinds: Dict[str, Set[bool]] = {}

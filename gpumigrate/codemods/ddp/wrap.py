@@ -183,13 +183,14 @@ class Wraps:
                              if isinstance(b.value, cst.Call) and b.value.args
                              and dotted(b.value.args[0].value) == name]
         return [b for b in bindings if b.how == "assign" and isinstance(b.value, cst.Call) and
-                (self.model.qualify(b.value.func) or "").endswith(("wrap_model", "DistributedDataParallel"))]
+                (self.model.qualify(b.value.func) or "").endswith(("wrap_model", "shard_model",
+                                                                   "DistributedDataParallel"))]
 
     def _taken(self, wrap: Any) -> bool:
         """A wrap that holds under torchrun: wrap_model anywhere (an earlier run's, which went
         where the model is made, or a DDP of the script's that GM413 turned into one once its
         condition was weighed), or a DDP on a path torchrun provably takes."""
-        return runtime_helper(self.model.qualify(wrap.value.func)) == "wrap_model" or \
+        return runtime_helper(self.model.qualify(wrap.value.func)) in ("wrap_model", "shard_model") or \
             self.torchrun.unmet(wrap.stmt) is None
 
     def _bindings(self, model: TrainedModel):

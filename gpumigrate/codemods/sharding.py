@@ -1,0 +1,123 @@
+"""The fsdp migration (GM415): the ddp migration with each trained model sharded by FSDP2.
+
+The ddp rules do the work (codemods/distributed.py asks `sharding(ctx)`): `shard_model(model)`
+where `wrap_model(model)` would go, right before the optimizer is built; a checkpoint's
+`model.state_dict()` gathered on every rank before rank 0 saves it. This rule marks the
+migration as fsdp and lists what sharding changes that the migration cannot settle.
+"""
+
+from __future__ import annotations
+
+from typing import Set
+
+import libcst as cst
+
+from gpumigrate.analysis.structure import dotted
+from gpumigrate.codemods.base import Clean, Flagged, Rule
+from gpumigrate.codemods.ddp_plan import ddp_plan
+from gpumigrate.codemods.distributed import FSDP_CODE, _state_dict_of, sharded_optimizers
+
+
+class FsdpShard(Rule):
+    """
+    ## What it does
+    Shards each model an optimizer trains across the ranks with FSDP2 (fsdp migration only):
+    everything the ddp migration does (`setup_distributed()`, sharded data, rank-0 outputs,
+    reduced metrics), with `shard_model(model)` where ddp would write `wrap_model(model)`,
+    right before the optimizer is built. A checkpoint's `model.state_dict()` (and its
+    optimizer's) is gathered whole on every rank (`full_state_dict`), then saved by rank 0,
+    so the file loads into the original model class.
+
+    ## Why is this bad?
+    DDP keeps a whole copy of the model, its gradients and its optimizer state on every GPU:
+    a model that does not fit on one GPU does not train. FSDP2 keeps 1/N of each on each of N.
+
+    ## Example
+    ```python
+    model = Net().cuda()
+    optimizer = optim.AdamW(model.parameters())
+    torch.save(model.state_dict(), "model.pt")
+    ```
+
+    ## Use instead
+    ```python
+    device = setup_distributed()
+    model = Net().to(device)
+    model = shard_model(model)          # fully_shard per repeated block, then the root
+    optimizer = optim.AdamW(model.parameters())
+    model_state = full_state_dict(model)  # every rank: a collective
+    if is_main_process():
+        torch.save(model_state, "model.pt")
+    ```
+    Listed for review: a model it does not shard, a direct `model.forward(...)` call (it skips
+    the hooks that gather the parameters), a `state_dict()` of a sharded model that is not
+    saved where the migration gathers it (it holds this rank's shards).
+    """
+
+    code = FSDP_CODE
+    done = "FSDP2 sharding"
+    name = "fsdp-shard"
+    message = "a model trained whole on every rank: shard it (FSDP2)"
+    fixed_in = frozenset({"fsdp"})
+    lint = False  # a migration step, not a defect
+    triggers = ("torch",)
+
+    examples = (
+        Flagged(
+            "import torch\nmodel = Net().cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "loader = torch.utils.data.DataLoader(data, batch_size=8)\n"
+            "for x in loader:\n    model(x).sum().backward()\n    opt.step()\n"
+            "torch.save(model.state_dict(), 'model.pt')\n",
+            fixed="import torch\nfrom gpumigrate.runtime import distributed_sampler, full_state_dict, is_main_process, "
+                  "setup_distributed, shard_model\n\ndevice = setup_distributed()\nmodel = Net().to(device)\n"
+                  "model = shard_model(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                  "loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=distributed_sampler(data, "
+                  "shuffle=False))\nfor x in loader:\n    model(x).sum().backward()\n    opt.step()\n"
+                  "model_state = full_state_dict(model)\nif is_main_process():\n    torch.save(model_state, 'model.pt')\n",
+        ),
+        Clean("import torch\nmodel = Net()\nprint(model(torch.zeros(1, 4)))\n"),  # nothing trains
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        plan = ddp_plan(self.ctx)
+        if not plan.active:
+            return
+        models = {w.name for w in plan.wraps}
+        for wrap in plan.wraps:
+            if not wrap.existing:
+                self.report(wrap.anchor, f"`{wrap.name}` trains whole on every rank: sharded across the ranks "
+                                         "(FSDP2), before its optimizer is built")
+        for trained in plan.model.trained_models:
+            if not trained.loss_module and trained.name not in models:
+                where = trained.optimizers[0].site if trained.optimizers else node.body[0]
+                self.report(where, f"`{trained.name}` is not sharded (the migration found no place to shard it "
+                                   "before its optimizer): it stays whole on every rank, its gradients averaged "
+                                   "as under ddp", review=True)
+        if not models:
+            return
+        optimizers = sharded_optimizers(plan, models)
+        gathered = self._gathered_lines(plan)
+        s = plan.s
+        for call in s.index.of(cst.Call):
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "forward" and dotted(func.value) in models:
+                self.report(call, f"`{dotted(func.value)}.forward(...)` skips the hooks that gather a sharded "
+                                  f"model's parameters: call `{dotted(func.value)}(...)`", review=True)
+                continue
+            owner = _state_dict_of(call)
+            if (owner in models or owner in optimizers) and id(s.line(call)) not in gathered:
+                self.report(call, f"`{owner}.state_dict()` of a sharded model holds this rank's shards (DTensors): "
+                                  "to save or copy the whole, every rank calls `full_state_dict(model)` "
+                                  "(`full_optimizer_state_dict(model, optimizer)`)", review=True)
+
+    @staticmethod
+    def _gathered_lines(plan) -> Set[int]:
+        """The lines whose saves GM404 gates and gathers (a save line, or a line of a
+        `with open(...)` block that only writes)."""
+        out: Set[int] = set()
+        for node in plan.s.index.order:
+            if isinstance(node, cst.SimpleStatementLine) and id(node) in plan.gated_lines and plan.saves_here(node):
+                out.add(id(node))
+            elif isinstance(node, cst.With) and plan.gated_with_saves(node):
+                out.update(id(n) for n in plan.s.inside(node, cst.SimpleStatementLine))
+        return out
