@@ -44,6 +44,11 @@ AMP_SCRIPTS = sorted((FIXTURES / "scripts").glob("amp_*.py")) + [
 AMP_TARGETS = ("amp", "ddp,amp")
 
 
+# The fsdp migrations' goldens: the fixtures whose models have repeated blocks, and the 2018
+# word language model and an mnist script (their torchrun runs are in tests/test_fsdp_e2e.py).
+FSDP_SCRIPTS = [FIXTURES / "scripts" / n for n in ("transformer_blocks.py", "wordlm_batches.py", "mnist_2019.py")]
+
+
 def golden(script, target=TARGET):
     return FIXTURES / "expected" / target / script.name
 
@@ -70,6 +75,21 @@ def test_amp_golden_and_idempotent(amp_script, target):
         n.attr == "amp" and ast.unparse(n.value) == "torch.cuda")]
     assert not [f for f in result.findings if f.review and f.code.startswith("GM5")], "amp needs a human decision"
     again = migrate(result.new_source, target, str(amp_script))
+    assert again.error is None and again.new_source is None, "a second run changed the file"
+
+
+@pytest.mark.parametrize("fsdp_script", FSDP_SCRIPTS, ids=lambda p: p.name)
+def test_fsdp_golden_and_idempotent(fsdp_script):
+    result = migrate(fsdp_script.read_bytes(), "fsdp", str(fsdp_script))
+    assert result.error is None and result.changed
+    path = golden(fsdp_script, "fsdp")
+    if os.environ.get("GPUMIGRATE_UPDATE_GOLDENS"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(result.new_source)
+    assert result.new_source == path.read_bytes()
+    text = result.new_source.decode()
+    assert "shard_model(" in text and "wrap_model" not in text
+    again = migrate(result.new_source, "fsdp", str(fsdp_script))
     assert again.error is None and again.new_source is None, "a second run changed the file"
 
 

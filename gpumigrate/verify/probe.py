@@ -55,11 +55,13 @@ import ctypes
 import hashlib
 import json
 import os
+import pickle
 import runpy
 import signal
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -268,7 +270,9 @@ def _optimizer_vector(optimizer) -> torch.Tensor:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not params:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.cat([p.detach().to("cpu", torch.float64).reshape(-1) for p in params])
+    # a sharded parameter (FSDP2's DTensor) contributes this rank's shard
+    return torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().to("cpu", torch.float64).reshape(-1)
+                      for p in params])
 
 
 def _entry(optimizer) -> Optional[dict]:
@@ -746,8 +750,23 @@ def _state_dicts(obj) -> dict:
     return {}
 
 
+SCRIPT_GLOBALS: dict = {}  # the script's namespace once it ended: its classes, for whole pickled models
+
+
+class _ScriptUnpickler(pickle.Unpickler):
+    """A model the script pickled whole names its classes `__main__.X`: after the run,
+    `__main__` is the probe again, so they are looked up in the script's namespace."""
+
+    def find_class(self, module, name):
+        if module == "__main__" and name in SCRIPT_GLOBALS:
+            return SCRIPT_GLOBALS[name]
+        return super().find_class(module, name)
+
+
 def _load(path):
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False,
+                      pickle_module=types.SimpleNamespace(Unpickler=_ScriptUnpickler, load=pickle.load,
+                                                          __name__="pickle"))
 
 
 def _first_state_dict(path):
@@ -926,13 +945,15 @@ def main(argv) -> None:
 
     error, exit_code, pending = None, 0, None
     try:
-        runpy.run_path(script, run_name="__main__")
+        SCRIPT_GLOBALS.update(runpy.run_path(script, run_name="__main__"))
     except SystemExit as exc:
+        _keep_globals(exc, script)
         exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exit_code:
             error = {"type": "SystemExit", "message": str(exc.code), "traceback": traceback.format_exc()}
             pending = exc
     except BaseException as exc:  # recorded, then re-raised below
+        _keep_globals(exc, script)
         error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
         exit_code, pending = 1, exc
     sys.stdout = tee.stream
@@ -940,6 +961,16 @@ def main(argv) -> None:
     finish(error, exit_code)
     if pending is not None:
         raise pending
+
+
+def _keep_globals(exc: BaseException, script: str) -> None:
+    """The namespace of the script's own frame in `exc`'s traceback (it raised or exited)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(script):
+            SCRIPT_GLOBALS.update(tb.tb_frame.f_globals)
+            return
+        tb = tb.tb_next
 
 
 if __name__ == "__main__":
