@@ -906,7 +906,7 @@ def explain(code: str) -> None:
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS...]")
 @click.option("--to", "target", required=True, metavar="TARGET",
-              help="What the migration is for: device, ddp, amp, or a comma list (ddp,amp).")
+              help="What the migration is for: device, ddp, fsdp, amp, or a comma list (ddp,amp).")
 @click.option("--against", type=click.Path(dir_okay=False), default=None,
               help="A migrated script to check; default: migrate SCRIPT into a temporary folder.")
 @click.option("--steps", type=click.IntRange(1, 1000), default=5, show_default=True,

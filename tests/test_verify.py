@@ -105,6 +105,10 @@ WRONG: Dict[str, Tuple[str, List[Edit], str]] = {
     "shuffle dropped": ("ddp", [(SAMPLER, "sampler=distributed_sampler(train_dataset, shuffle=False)")], "loss"),
     # evaluation with dropout on
     "model.eval() dropped": ("device", [("    model.eval()\n", "")], "printed output"),
+    # fsdp: shards kept in bfloat16 where the script trains in float32: not what ddp trains
+    "fsdp shards in low precision": ("fsdp", [("model = shard_model(model)\n",
+                                               "model = shard_model(model, mixed_precision=True)\n")],
+                                     "evaluation metrics"),
     # amp: the optimizer never steps
     "scaler.step missing": ("amp", [("        scaler.step(optimizer)\n", "")], "optimizer steps"),
     # amp: a resumed run restarts loss scaling
@@ -157,7 +161,7 @@ def test_a_wrong_migration_is_a_difference_naming_the_quantity(name, tmp_path):
     assert data["reason"], data
 
 
-@pytest.mark.parametrize("target", ["device", "ddp,amp"])
+@pytest.mark.parametrize("target", ["device", "ddp,amp", "fsdp"])
 def test_the_real_migration_is_equivalent_and_the_users_files_are_not_touched(target, tmp_path):
     folder = tmp_path / "project"
     folder.mkdir()
@@ -173,6 +177,9 @@ def test_the_real_migration_is_equivalent_and_the_users_files_are_not_touched(ta
                 "checkpoints", "output on rank 0 only", "files on rank 0 only"} <= passed, data["checks"]
     if "amp" in target:
         assert {"bfloat16 losses", "scaler state"} <= passed, data["checks"]
+    if target == "fsdp":
+        assert {"parameters across ranks", "evaluation metrics", "checkpoints", "sharded as ddp trains"} <= passed, \
+            data["checks"]
     assert {p: p.read_bytes() for p in folder.rglob("*")} == before  # model.pt went to the scratch copies
 
 
@@ -322,3 +329,30 @@ def test_printed_lines_compare_by_value():
     assert compare_lines(["a", "b"], ["a"])[1].startswith("the original prints 1 more")
     assert SCALAR_TENSOR.sub(r"\1", "best tensor(0.5230, grad_fn=<DivBackward0>)") == "best 0.5230"
     assert SCALAR_TENSOR.sub(r"\1", "tensor([1, 2])") == "tensor([1, 2])"
+
+
+def test_the_sharded_run_is_held_to_the_ddp_run_step_by_step():
+    """Pure comparison (no runs): each rank's losses, and the shards' sums over the ranks plus
+    the parameters every rank holds whole, against a ddp rank's, step by step."""
+    from gpumigrate.verify.checks import sharded_like_replicated
+    from gpumigrate.verify.runner import Probed
+
+    def run(*ranks):
+        probed = Probed("x", len(ranks), 0, "", "", 1.0, Path("."), Path("x.py"), Path("."), 60.0)
+        probed.ranks = {r: {"steps": steps} for r, steps in enumerate(ranks)}
+        return probed
+
+    def step(loss, params, sharded=(0.0, 0.0)):
+        return {"losses": [loss], "params": list(params), "sharded": list(sharded)}
+
+    ddp = run([step(1.0, (10.0, 30.0)), step(0.9, (11.0, 31.0))], [step(1.2, (10.0, 30.0)), step(1.1, (11.0, 31.0))])
+    fsdp = run([step(1.0, (1.0, 2.0), (4.0, 12.0)), step(0.9, (1.0, 2.0), (4.5, 13.0))],
+               [step(1.2, (1.0, 2.0), (5.0, 16.0)), step(1.1, (1.0, 2.0), (5.5, 16.0))])
+    assert sharded_like_replicated(fsdp, ddp).status == "pass"
+    fsdp.ranks[1]["steps"][1]["losses"] = [1.2]
+    check = sharded_like_replicated(fsdp, ddp)
+    assert check.status == "fail" and "step 2, rank 1" in check.detail
+    fsdp.ranks[1]["steps"][1]["losses"] = [1.1]
+    fsdp.ranks[0]["steps"][0]["sharded"] = [4.1, 12.0]
+    check = sharded_like_replicated(fsdp, ddp)
+    assert check.status == "fail" and "after step 1" in check.detail

@@ -88,9 +88,13 @@ def judge(session: "Session", targets: List[str]) -> Verdict:
     def settled() -> bool:  # --fail-fast: the runs after the first difference are not made
         return opts.fail_fast and any(c.status == "fail" for c in checks)
 
-    if "ddp" in targets and not settled():
+    if ("ddp" in targets or "fsdp" in targets) and not settled():
         dist = session.run("torchrun", original=False, nproc=opts.nproc, env=full)
         checks += ddp_checks(session, base, dist, opts.fail_fast)
+    if "fsdp" in targets and dist.ok and not settled():
+        session.replicated("ddp,amp" if amp else "ddp")
+        twin = session.run("torchrun-ddp", original=False, nproc=opts.nproc, env=full, twin=True)
+        checks.append(sharded_like_replicated(dist, twin))
     if amp and not settled():
         bf16 = session.run("bf16", original=False, env={"GPUMIGRATE_AMP": "bf16"})
         checks.append(bf16_band(base, bf16))
@@ -401,6 +405,35 @@ def ddp_checks(session: "Session", base: "Probed", dist: "Probed", fail_fast: bo
     checks.append(_metrics(dist, ref, base))
     checks.append(_checkpoints(dist, ref))
     return checks
+
+
+def sharded_like_replicated(dist: "Probed", twin: "Probed") -> Check:
+    """fsdp: the sharded run against the script's ddp migration under torchrun, step by step:
+    each rank's losses, and the whole parameters (the sums over the ranks of their shards,
+    with the parameters every rank holds whole) those of a ddp rank."""
+    name = "sharded as ddp trains"
+    if not twin.ok:
+        return Check(name, "skip", f"the ddp migration of the script does not run under torchrun: {twin.error()}")
+    ours = [rep.get("steps") or [] for _, rep in sorted(dist.ranks.items())]
+    theirs = [rep.get("steps") or [] for _, rep in sorted(twin.ranks.items())]
+    if [len(s) for s in ours] != [len(s) for s in theirs]:
+        return Check(name, "fail", f"the ranks take {[len(s) for s in ours]} optimizer steps, under ddp "
+                     f"{[len(s) for s in theirs]}")
+    if not ours or not ours[0]:
+        return Check(name, "skip", "no optimizer step to compare")
+    for step in range(len(ours[0])):
+        for rank, (a, b) in enumerate(zip(ours, theirs)):
+            la, lb = a[step]["losses"], b[step]["losses"]
+            if len(la) != len(lb) or not all(_close(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(la, lb)):
+                return Check(name, "fail", f"step {step + 1}, rank {rank}: losses {la[:3]} where ddp has {lb[:3]}",
+                             a[step].get("backward_at"), {"step": step + 1, "rank": rank})
+        whole = [sum(r[step].get("sharded", [0.0, 0.0])[k] for r in ours) + ours[0][step]["params"][k] for k in (0, 1)]
+        want = [theirs[0][step]["params"][k] + theirs[0][step].get("sharded", [0.0, 0.0])[k] for k in (0, 1)]
+        if not all(_close(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(whole, want)):
+            return Check(name, "fail", f"after step {step + 1} the parameters differ from ddp's (sum {whole[0]:.9g} "
+                         f"vs {want[0]:.9g})", ours[0][step].get("step_at"), {"step": step + 1})
+    return Check(name, "pass", f"{len(ours[0])} steps on {len(ours)} ranks: the losses and the whole parameters "
+                 "are the ddp migration's")
 
 
 def _collective_mismatch(dist: "Probed") -> Optional[Check]:

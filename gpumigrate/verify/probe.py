@@ -266,13 +266,13 @@ EXTRA = Extras()
 MAX_INPUTS = 2000
 
 
-def _optimizer_vector(optimizer) -> torch.Tensor:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+def _optimizer_vector(optimizer, sharded: bool = False) -> torch.Tensor:
+    """The optimizer's parameters flattened: those every rank holds whole, or (`sharded`) this
+    rank's shards of the sharded ones (FSDP2's DTensors), which differ per rank by design."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "to_local") == sharded]
     if not params:
         return torch.zeros(0, dtype=torch.float64)
-    # a sharded parameter (FSDP2's DTensor) contributes this rank's shard
-    return torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().to("cpu", torch.float64).reshape(-1)
-                      for p in params])
+    return torch.cat([(p.to_local() if sharded else p).detach().to("cpu", torch.float64).reshape(-1) for p in params])
 
 
 def _entry(optimizer) -> Optional[dict]:
@@ -504,8 +504,9 @@ class Verify:
             self.windows += 1
             if self.window == 0 and self.out_dir is not None:
                 inner = runtime_dist.unwrap_model(module)
-                TORCH_SAVE({k: v.detach().cpu().clone() for k, v in state_dict(inner).items()},
-                           self.out_dir / f"rank{self.rank}_eval.pt")
+                # a sharded model's (FSDP2) tensors are gathered whole: every rank is here too
+                TORCH_SAVE({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                            for k, v in state_dict(inner).items()}, self.out_dir / f"rank{self.rank}_eval.pt")
 
 
 VERIFY = Verify()
@@ -634,8 +635,10 @@ def _patch_verify_steps() -> None:
             entry = _entry(optimizer)
             vector = entry["after"] if entry is not None and entry["after"] is not None \
                 else _optimizer_vector(optimizer)
+            shards = _optimizer_vector(optimizer, sharded=True)  # their sums over the ranks: the whole's
             VERIFY.records.append({"optimizer": entry["index"] if entry is not None else None, "losses": VERIFY.losses,
                                    "params": [float(vector.sum()), float(vector.square().sum())],
+                                   "sharded": [float(shards.sum()), float(shards.square().sum())],
                                    "backward_at": VERIFY.backward_at, "step_at": _script_line(2),
                                    "dtypes": sorted(VERIFY.loss_dtypes | {str(p.dtype).replace("torch.", "")
                                                                           for g in optimizer.param_groups

@@ -8,6 +8,8 @@ Runs, for a target T:
   dist    ddp: the migrated script under `torchrun --standalone --nproc_per_node=N` (gloo);
   ref     ddp: the original again, one process, evaluating the weights the dist run
           evaluated first and loading the checkpoints its rank 0 wrote;
+  twin    fsdp: the script migrated --to ddp instead, under torchrun as dist: fsdp must
+          train what ddp trains (the same batches per rank, the same averaged gradients);
   bf16    amp: the migrated script, one process, `GPUMIGRATE_AMP=bf16`.
 The user's files are only read: everything a run writes lands in its own copy or temp dir.
 """
@@ -31,7 +33,7 @@ from gpumigrate.verify.runs import PEER_GONE, clean_env, run_bounded
 
 PROBE = Path(__file__).resolve().parent / "probe.py"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
-TARGETS = ("device", "ddp", "amp")
+TARGETS = ("device", "ddp", "fsdp", "amp")
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "env", "node_modules", ".tox", ".mypy_cache",
              ".pytest_cache", ".ipynb_checkpoints", "wandb", "mlruns"}
 # errors no other cap or emulation can help with
@@ -289,12 +291,19 @@ class Session:
             base = self.run("original", original=True, work_name=f"original-{attempt}")
         return base
 
+    def replicated(self, target: str) -> None:
+        """The script migrated --to `target` as well (fsdp's ddp twin), for `run(..., twin=True)`."""
+        copy_tree(self.src, self.root / "twin")
+        self.twin = self.root / "twin" / self.original.relative_to(self.root / "original")
+        self.progress(f"migrating --to {target}")
+        migrate_copy(self.root / "twin", self.twin, target)
+
     def run(self, name: str, original: bool, nproc: int = 1, env: Optional[Dict[str, str]] = None,
-            probe_args: Sequence[str] = (), work_name: Optional[str] = None) -> Probed:
+            probe_args: Sequence[str] = (), work_name: Optional[str] = None, twin: bool = False) -> Probed:
         opts = self.opts
         self.progress(f"running {name}" + (f" ({nproc} ranks)" if nproc > 1 else ""))
-        tree = self.root / ("original" if original else "migrated")
-        script = self.original if original else self.migrated
+        tree = self.root / ("original" if original else "twin" if twin else "migrated")
+        script = self.original if original else self.twin if twin else self.migrated
         work = self.root / "runs" / (work_name or name)
         shutil.copytree(tree, work, symlinks=True)
         local = work / script.relative_to(tree)
@@ -383,6 +392,8 @@ def verify(opts: Options, progress: Optional[Callable[[str], None]] = None) -> "
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise VerifyError(f"--to {opts.target}: verify knows the targets {', '.join(TARGETS)}")
+    if "ddp" in targets and "fsdp" in targets:
+        raise VerifyError(f"--to {opts.target}: ddp and fsdp cannot be combined")
     session = Session(opts, progress)
     try:
         session.prepare()
