@@ -96,3 +96,15 @@ def test_with_amp_the_shards_follow_the_autocast_precision():
     out, _, _ = fsdp(source, "fsdp,amp")
     assert "model = shard_model(model, mixed_precision=True)" in out
     assert "mixed_precision" not in fsdp(source.replace(".half()", ""))[0]
+
+
+def test_a_module_saved_under_another_name_is_gathered_too():
+    """shard_model shards the object in place: `model` below is the sharded `wrapper` (a
+    practice script, gpleiss/efficient_densenet_pytorch, saved its shards this way)."""
+    out, _, _ = fsdp("model = torch.nn.Linear(4, 1)\nwrapper = model\n"
+                     "opt = torch.optim.SGD(wrapper.parameters(), lr=0.1)\n"
+                     + TRAIN.replace("model(x)", "wrapper(x)") + "torch.save(model.state_dict(), 'm.pt')\n"
+                     "torch.save(model, 'whole.pt')\n")
+    assert "wrapper = shard_model(wrapper)" in out
+    assert "model_state = full_state_dict(model)\nif is_main_process():\n    torch.save(model_state, 'm.pt')" in out
+    assert "model_whole = full_model(model)" in out

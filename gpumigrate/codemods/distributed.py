@@ -789,7 +789,18 @@ class CheckpointEveryRank(Rule):
     def _gathered(self, original, updated):
         """fsdp: each state_dict of a sharded model (or of its optimizer) in a save is gathered
         whole before the rank-0 gate, on every rank (a collective), and saved by rank 0."""
-        gather = _Gather(self, original, self.models, self.optimizers)
+        # a module saved here may be the sharded model under another name (`net = model` before
+        # shard_model(model), which shards the object in place): every module is gathered,
+        # which for one not sharded is its state_dict as before
+        s, model = self.plan.s, self.plan.model
+        modules = set(self.models)
+        for call in s.inside(original, cst.Call):
+            owner = _state_dict_of(call)
+            if owner is not None and model.module_like(call.func.value):
+                modules.add(owner)
+        modules.update(n.value for c in s.inside(original, cst.Call) if self.qualify(c.func) == "torch.save"
+                       and c.args for n in _saved_names(c.args[0].value) if model.module_like(n))
+        gather = _Gather(self, original, modules, self.optimizers)
         updated = updated.visit(gather)
         if gather.first and not self.plan.uniform(original):
             self.report(original, "gathering a sharded model's state_dict is a collective: every rank must reach "
