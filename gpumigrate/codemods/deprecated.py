@@ -256,16 +256,7 @@ class RemovedFunction(_TableRule):
         if name == "torch.trtrs":
             return self._trtrs_fix(original, updated)
         if name in ("torch.solve", "torch.gesv"):
-            if len(original.args) != 2 or any(a.keyword for a in original.args):
-                return None
-            where = self._first_only(original, "solution")
-            if where is None:
-                return None
-            self.replace[id(where[0])] = where[1]
-            b, a = updated.args
-            return updated.with_changes(func=_spell(self, "torch.linalg.solve", original.func) if self.fixing
-                                        else updated.func,
-                                        args=[a.with_changes(comma=b.comma), b.with_changes(comma=a.comma)])
+            return self._solution_of(original, updated, "torch.linalg.solve")
         if name == "torch.symeig":
             vectors = get_arg(original, "eigenvectors", 1)
             upper = get_arg(original, "upper", 2)
@@ -294,17 +285,8 @@ class RemovedFunction(_TableRule):
                                         else updated.func)
         if name in ("torch.lstsq", "torch.gels"):
             # the solution alone: the QR factors have no counterpart (linalg.lstsq does not return them)
-            if len(original.args) != 2 or any(a.keyword for a in original.args):
-                return None
-            where = self._first_only(original, "solution")
-            if where is None:
-                return None
-            self.replace[id(where[0])] = where[1]
-            b, a = updated.args
-            call = updated.with_changes(func=_spell(self, "torch.linalg.lstsq", original.func) if self.fixing
-                                        else updated.func,
-                                        args=[a.with_changes(comma=b.comma), b.with_changes(comma=a.comma)])
-            return cst.Attribute(value=call, attr=cst.Name("solution"))
+            call = self._solution_of(original, updated, "torch.linalg.lstsq")
+            return None if call is None else cst.Attribute(value=call, attr=cst.Name("solution"))
         if name == "torch.eig":
             # eigenvalues alone: eig gave them as (n, 2) rows of (real, imaginary), view_as_real's
             # layout, in LAPACK's order as linalg.eigvals; its real packed eigenvectors are not kept
@@ -321,6 +303,19 @@ class RemovedFunction(_TableRule):
             values = with_args(updated.with_changes(func=_spell(self, "torch.linalg.eigvals", original.func)), [first])
             return cst.Call(func=_spell(self, "torch.view_as_real", original.func), args=[cst.Arg(values)])
         return None  # torch.eig's eigenvectors (real packed pairs), an lstsq's QR, ...: review
+
+    def _solution_of(self, original: cst.Call, updated: cst.Call, new_name: str) -> Optional[cst.Call]:
+        """`old(B, A)` whose solution alone is read (`[0]`, `.solution`, `x, _ = ...`) →
+        `new_name(A, B)`: the LAPACK-era argument order reversed."""
+        if len(original.args) != 2 or any(a.keyword for a in original.args):
+            return None
+        where = self._first_only(original, "solution")
+        if where is None:
+            return None
+        self.replace[id(where[0])] = where[1]
+        b, a = updated.args
+        return updated.with_changes(func=_spell(self, new_name, original.func) if self.fixing else updated.func,
+                                    args=[a.with_changes(comma=b.comma), b.with_changes(comma=a.comma)])
 
     def _upper_fix(self, name: str, original: cst.Call, updated: cst.Call) -> Optional[cst.BaseExpression]:
         """potrf(A, upper) → linalg.cholesky(A)[.mH]; potrs(b, u, upper), potri(u, upper) → their
