@@ -73,7 +73,7 @@ def test_custom_attributes_are_read_as_they_are():
                      "        self.fc = torch.nn.Linear(4, 1)\n    def forward(self, x):\n        return self.fc(x)\n"
                      "model = Net()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
                      + "print(model.fc.weight.shape)\n")
-    assert "unwrap_model" not in out and "print(model.fc.weight.shape)" in out
+    assert "unwrap_model" not in out and "model.fc.weight.shape" in out
 
 
 def test_what_sharding_changes_is_listed_for_review():
@@ -108,3 +108,11 @@ def test_a_module_saved_under_another_name_is_gathered_too():
     assert "wrapper = shard_model(wrapper)" in out
     assert "model_state = full_state_dict(model)\nif is_main_process():\n    torch.save(model_state, 'm.pt')" in out
     assert "model_whole = full_model(model)" in out
+
+
+def test_an_output_reading_a_sharded_model_is_computed_on_every_rank():
+    """`model.fc.weight.norm()` gathers the shards (a collective): computed on every rank,
+    printed by rank 0 (on rank 0 alone it would wait for the others for ever)."""
+    out, _, _ = fsdp("model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
+                     + "print('norm', model.weight.norm().item())\n")
+    assert "value = model.weight.norm().item()\nif is_main_process():\n    print('norm', value)" in out

@@ -36,7 +36,13 @@ from tests.probe_runs import NPROC, Run, run_probe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ddp]
 
-FSDP_FIXTURES = {"transformer_blocks.py": [], "wordlm_batches.py": [], "mnist_2019.py": []}
+FSDP_FIXTURES = {"transformer_blocks.py": [], "wordlm_batches.py": [], "mnist_2019.py": [],
+                 "resnet_dataparallel.py": []}
+# BatchNorm's running statistics: ddp keeps rank 0's (DDP broadcasts buffers), fsdp their mean
+# over the ranks (the runtime averages them at each step; the report says so). Training is the
+# same; evaluations and the statistics in the checkpoint differ by design.
+EVALUATION = {"resnet_dataparallel.py": re.compile(r"\|\s*test loss.*")}
+STATISTICS = ("running_mean", "running_var")
 REFERENCE_ARGS = {"mnist_2019.py": ["--no-cuda"]}
 PARAM_ATOL = 5e-4
 LOSS_RTOL = 1e-5
@@ -75,8 +81,10 @@ def runs(tmp_path_factory):
     yield Runs(tmp_path_factory.mktemp("fsdp"))
 
 
-def losses(stdout: str) -> List[str]:
-    return [n for line in stdout.splitlines() if "loss" in line.lower() for n in _NUMBER.findall(_TIMING.sub("", line))]
+def losses(stdout: str, name: str) -> List[str]:
+    evaluation = EVALUATION.get(name)
+    lines = [evaluation.sub("", line) if evaluation else line for line in stdout.splitlines()]
+    return [n for line in lines if "loss" in line.lower() for n in _NUMBER.findall(_TIMING.sub("", line))]
 
 
 def _close(a: str, b: str) -> bool:
@@ -110,7 +118,7 @@ def saves(run: Run) -> Dict[int, List[str]]:
 @pytest.mark.parametrize("name", sorted(FSDP_FIXTURES))
 def test_fsdp_trains_what_ddp_trains(name, runs):
     fsdp, ddp = runs.torchrun("fsdp", name), runs.torchrun("ddp", name)
-    got, want = losses(fsdp.stdout), losses(ddp.stdout)
+    got, want = losses(fsdp.stdout, name), losses(ddp.stdout, name)
     assert want, "the ddp run printed no loss"
     assert len(got) == len(want), f"{len(got)} losses printed under fsdp, {len(want)} under ddp"
     bad = [(i, a, b) for i, (a, b) in enumerate(zip(got, want)) if not _close(a, b)]
@@ -131,6 +139,8 @@ def test_rank0_writes_whole_checkpoints_that_load_into_the_original(name, runs):
         assert sorted(ours) == sorted(theirs)
         for key, value in ours.items():
             assert type(value) is torch.Tensor, f"{key}: {type(value).__name__}, not a whole tensor"
+            if name in EVALUATION and key.endswith(STATISTICS):
+                continue
             assert torch.allclose(value.double(), theirs[key].double(), atol=PARAM_ATOL, rtol=0), key
     reference = runs.reference(name, written[0])
     assert reference.returncode == 0, reference.why()

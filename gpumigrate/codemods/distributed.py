@@ -20,6 +20,7 @@ from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.codemods.base import Clean, Flagged, Rule
+from gpumigrate.codemods.ddp import FSDP_CODE, sharding  # noqa: F401  (FSDP_CODE re-exported)
 from gpumigrate.codemods.ddp_plan import ddp_plan, device_definition, main_block
 from gpumigrate.codemods.device_plan import _after_imports, device_plan, set_up_line
 from gpumigrate.codemods.helpers import (
@@ -68,16 +69,6 @@ def _line(expr: cst.BaseExpression) -> cst.SimpleStatementLine:
 def _assign(name: str, value: cst.BaseExpression) -> cst.SimpleStatementLine:
     return cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(cst.parse_expression(name))],
                                                     value=value)])
-
-
-# The fsdp migration's own rule (codemods/sharding.py): fixed in a pass, the ddp rules of
-# that pass shard the trained models (FSDP2) where they would wrap them in DDP.
-FSDP_CODE = "GM415"
-
-
-def sharding(ctx) -> bool:
-    """The fsdp migration: trained models are sharded with `shard_model`, not DDP-wrapped."""
-    return FSDP_CODE in ctx.fixing
 
 
 def _mixed_precision(ctx) -> bool:

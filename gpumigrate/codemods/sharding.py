@@ -15,7 +15,11 @@ import libcst as cst
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp_plan import ddp_plan
-from gpumigrate.codemods.distributed import FSDP_CODE, _state_dict_of, sharded_optimizers
+from gpumigrate.codemods.ddp import FSDP_CODE
+from gpumigrate.codemods.distributed import _state_dict_of, sharded_optimizers
+
+
+_BATCHNORMS = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"})
 
 
 class FsdpShard(Rule):
@@ -95,6 +99,10 @@ class FsdpShard(Rule):
                                    "as under ddp", review=True)
         if not models:
             return
+        if any(n.value in _BATCHNORMS for n in plan.s.index.of(cst.Name)):
+            self.report(node.body[0], "BatchNorm's running statistics are averaged across the ranks at each step "
+                                      "(FSDP keeps buffers per rank; under ddp they would be rank 0's): "
+                                      "evaluations differ slightly from a ddp run's")
         optimizers = sharded_optimizers(plan, models)
         gathered = self._gathered_lines(plan)
         s = plan.s

@@ -15,7 +15,8 @@ Decides:
 Relies on, from DdpPlan (ddp_plan.py) and its other mixins:
 - `self.model`, `self.s`, `self.active` (ddp_plan.py);
 - `self.wrapped_reference` (wrap.py): an output that calls a wrapped model is not gated whole;
-- `self.gated`, `self.uniform` (reach.py).
+- `self.gated`, `self.uniform` (reach.py);
+- `self.wraps` (wrap.py): under fsdp, an output reading a sharded model computes on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import libcst as cst
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.structure import Function, dotted
 from gpumigrate.analysis.syntax import runtime_helper
+from gpumigrate.codemods.ddp import sharding
 
 # calls that read a file back (the other ranks must not read before rank 0 wrote it)
 _READERS = frozenset({"torch.load", "imageio.imread", "imageio.v2.imread", "imageio.v3.imread", "PIL.Image.open",
@@ -150,7 +152,18 @@ class RankZero:
         an evaluation of this file): computed on every rank before the call is gated."""
         return [arg for arg in call.args if not self._safe(arg.value, call)]
 
+    @cached_property
+    def _sharded_names(self) -> Set[str]:
+        """fsdp: the names that hold a sharded model (a read of its parameters, `model.fc.weight
+        .norm()`, gathers them: a collective every rank must make)."""
+        return {w.name for w in self.wraps} if sharding(self.ctx) else set()
+
     def _safe(self, root: cst.CSTNode, call: cst.Call) -> bool:
+        # a save gathers its sharded models itself (GM404: full_state_dict, full_model)
+        if self._sharded_names and self.model.qualify(call.func) != "torch.save" and any(
+                isinstance(n, (cst.Name, cst.Attribute)) and dotted(n) in self._sharded_names
+                for n in self.s.index.subtree(root)):
+            return False
         for node in self.s.index.subtree(root):
             if node is call or not isinstance(node, cst.Call):
                 continue
