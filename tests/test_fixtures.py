@@ -47,7 +47,7 @@ AMP_TARGETS = ("amp", "ddp,amp")
 # The fsdp migrations' goldens: the fixtures whose models have repeated blocks, and the 2018
 # word language model and an mnist script (their torchrun runs are in tests/test_fsdp_e2e.py).
 FSDP_SCRIPTS = [FIXTURES / "scripts" / n for n in ("transformer_blocks.py", "wordlm_batches.py", "mnist_2019.py",
-                                                    "resnet_dataparallel.py")]
+                                                    "resnet_dataparallel.py", "local_rank_launch.py")]
 
 
 def golden(script, target=TARGET):

@@ -80,7 +80,7 @@ def test_what_sharding_changes_is_listed_for_review():
     out, reviews, _ = fsdp("model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                            + TRAIN + "best = {k: v.clone() for k, v in model.state_dict().items()}\n"
                            "y = model.forward(torch.randn(1, 4))\n")
-    assert any("holds this rank's shards" in r for r in reviews)
+    assert "best = {k: v.clone() for k, v in full_state_dict(model, rank0_only=False).items()}" in out
     assert any("skips the hooks" in r for r in reviews)
 
 
@@ -116,3 +116,37 @@ def test_an_output_reading_a_sharded_model_is_computed_on_every_rank():
     out, _, _ = fsdp("model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
                      + "print('norm', model.weight.norm().item())\n")
     assert "value = model.weight.norm().item()\nif is_main_process():\n    print('norm', value)" in out
+
+
+def test_a_sharded_model_used_on_rank_0_alone_is_reported():
+    _, reviews, _ = fsdp("import torch.distributed as dist\nmodel = torch.nn.Linear(4, 1)\n"
+                         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
+                         + "if dist.get_rank() == 0:\n    y = model(torch.randn(1, 4))\n")
+    assert any("runs on some ranks only" in r for r in reviews)
+
+
+def test_a_save_in_the_scripts_own_rank0_branch_gathers_before_the_branch():
+    out, reviews, _ = fsdp("import torch.distributed as dist\nmodel = torch.nn.Linear(4, 1)\n"
+                           "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
+                           + "if dist.get_rank() == 0:\n    torch.save(model.state_dict(), 'm.pt')\n")
+    assert "model_state = full_state_dict(model)\nif dist.get_rank() == 0:\n" in out
+    assert not any("some ranks only" in r for r in reviews)
+
+
+def test_a_state_dict_every_rank_takes_is_the_whole_state_on_every_rank():
+    """A checkpoint dict handed to a helper that saves it (rank 0 inside), a copy of the best
+    weights: each rank gets the whole state, as one process had it."""
+    out, reviews, _ = fsdp("def save_checkpoint(state, path):\n    torch.save(state, path)\n"
+                           "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                           + TRAIN + "save_checkpoint({'model': model.state_dict(), 'opt': opt.state_dict()}, 'c.pt')\n")
+    assert ("save_checkpoint({'model': full_state_dict(model, rank0_only=False), "
+            "'opt': full_optimizer_state_dict(model, opt, rank0_only=False)}, 'c.pt')") in out
+    assert not any("state_dict" in r for r in reviews)
+
+
+def test_an_alias_saved_on_rank_0_alone_is_reported():
+    _, reviews, _ = fsdp("import torch.distributed as dist\nmodel = torch.nn.Linear(4, 1)\n"
+                         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN
+                         + "if dist.get_rank() == 0:\n    to_save = model\n"
+                           "    torch.save(to_save.state_dict(), 'm.pt')\n")
+    assert any("every rank must reach this save" in r for r in reviews), reviews

@@ -37,7 +37,7 @@ from tests.probe_runs import NPROC, Run, run_probe
 pytestmark = [pytest.mark.e2e, pytest.mark.ddp]
 
 FSDP_FIXTURES = {"transformer_blocks.py": [], "wordlm_batches.py": [], "mnist_2019.py": [],
-                 "resnet_dataparallel.py": []}
+                 "resnet_dataparallel.py": [], "local_rank_launch.py": []}
 # BatchNorm's running statistics: ddp keeps rank 0's (DDP broadcasts buffers), fsdp their mean
 # over the ranks (the runtime averages them at each step; the report says so). Training is the
 # same; evaluations and the statistics in the checkpoint differ by design.
@@ -115,6 +115,20 @@ def saves(run: Run) -> Dict[int, List[str]]:
     return {rank: list(dict.fromkeys(s["path"] for s in report["saves"])) for rank, report in run.ranks.items()}
 
 
+def same_checkpoint(ours, theirs, name: str, where: str = "") -> None:
+    """The fsdp checkpoint holds what the ddp one holds: whole tensors, within PARAM_ATOL."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and sorted(ours) == sorted(theirs), f"{where}: keys differ"
+        for key in theirs:
+            same_checkpoint(ours[key], theirs[key], name, f"{where}/{key}")
+    elif isinstance(theirs, torch.Tensor):
+        assert type(ours) is torch.Tensor, f"{where}: {type(ours).__name__}, not a whole tensor"
+        if not (name in EVALUATION and where.endswith(STATISTICS)):
+            assert torch.allclose(ours.double(), theirs.double(), atol=PARAM_ATOL, rtol=0), where
+    else:
+        assert ours == theirs, where
+
+
 @pytest.mark.parametrize("name", sorted(FSDP_FIXTURES))
 def test_fsdp_trains_what_ddp_trains(name, runs):
     fsdp, ddp = runs.torchrun("fsdp", name), runs.torchrun("ddp", name)
@@ -136,12 +150,7 @@ def test_rank0_writes_whole_checkpoints_that_load_into_the_original(name, runs):
         if isinstance(ours, torch.nn.Module):  # a whole pickled model (the 2018 word language model)
             assert type(ours).__name__ == type(theirs).__name__, "a sharded (FSDP) class was pickled"
             ours, theirs = ours.state_dict(), theirs.state_dict()
-        assert sorted(ours) == sorted(theirs)
-        for key, value in ours.items():
-            assert type(value) is torch.Tensor, f"{key}: {type(value).__name__}, not a whole tensor"
-            if name in EVALUATION and key.endswith(STATISTICS):
-                continue
-            assert torch.allclose(value.double(), theirs[key].double(), atol=PARAM_ATOL, rtol=0), key
+        same_checkpoint(ours, theirs, name)
     reference = runs.reference(name, written[0])
     assert reference.returncode == 0, reference.why()
     loads = reference.ranks[0]["loads"]

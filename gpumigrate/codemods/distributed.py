@@ -759,6 +759,7 @@ class CheckpointEveryRank(Rule):
         self.plan = ddp_plan(self.ctx)
         self.models = {w.name for w in self.plan.wraps}
         self.optimizers = sharded_optimizers(self.plan, self.models) if sharding(self.ctx) else {}
+        self.before: Dict[int, List[cst.SimpleStatementLine]] = {}  # id of an `if` -> gathers to put above it
 
     def _wrap(self, original, updated):
         if not self.plan.active or not self.plan.saves_here(original):
@@ -781,36 +782,66 @@ class CheckpointEveryRank(Rule):
         """fsdp: each state_dict of a sharded model (or of its optimizer) in a save is gathered
         whole before the rank-0 gate, on every rank (a collective), and saved by rank 0."""
         # a module saved here may be the sharded model under another name (`net = model` before
-        # shard_model(model), which shards the object in place): every module is gathered,
-        # which for one not sharded is its state_dict as before
-        s, model = self.plan.s, self.plan.model
-        modules = set(self.models)
-        for call in s.inside(original, cst.Call):
-            owner = _state_dict_of(call)
-            if owner is not None and model.module_like(call.func.value):
-                modules.add(owner)
-        modules.update(n.value for c in s.inside(original, cst.Call) if self.qualify(c.func) == "torch.save"
-                       and c.args for n in _saved_names(c.args[0].value) if model.module_like(n))
-        gather = _Gather(self, original, modules, self.optimizers)
+        # shard_model(model), which shards the object in place): its aliases are gathered too
+        gather = _Gather(self, original, sharded_aliases(self.plan, self.models), self.optimizers)
         updated = updated.visit(gather)
-        if gather.first and not self.plan.uniform(original):
-            self.report(original, "gathering a sharded model's state_dict is a collective: every rank must reach "
-                                  "this save, which the migration cannot prove; check that all ranks take this "
-                                  "path together", review=True)
+        if not gather.first or self.plan.uniform(original):
+            for note in gather.notes:
+                self.report(original, note)
+            return updated, gather.first
+        branch = self._rank_branch(original)
+        bound_inside = set()
+        if branch is not None:  # names the branch binds cannot be read above it
+            for node in self.plan.s.inside(branch.body, (cst.Assign, cst.AugAssign, cst.AnnAssign)):
+                targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+                bound_inside.update((dotted(t) or "").split(".")[0] for t in targets)
+        if branch is not None and not any(n.value in bound_inside for stmt in gather.first
+                                          for n in findall(stmt, m.Name())):
+            # the script's own `if rank == 0:` around the save: gathered before it
+            self.before[id(branch)] = self.before.get(id(branch), []) + gather.first
+            for note in gather.notes:
+                self.report(original, note)
+            self.report(original, "a save in the script's own rank-0 branch: the shards are gathered before the "
+                                  "branch, on every rank")
+            return updated, []
+        self.report(original, "gathering a sharded model's state_dict is a collective: every rank must reach "
+                              "this save, which the migration cannot prove; check that all ranks take this "
+                              "path together", review=True)
         return updated, gather.first
 
+    def _rank_branch(self, node: cst.CSTNode) -> Optional[cst.If]:
+        """The outermost `if` of the script's own that tests the rank around `node`, where
+        every rank reaches that `if` (in the same function)."""
+        found = None
+        for ancestor in self.plan.s.ancestors(node):
+            if isinstance(ancestor, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                break
+            if isinstance(ancestor, cst.If) and self.plan.gated(node) and not self.plan.gated(ancestor) \
+                    and self.plan.s.index.contains(ancestor.body, node):
+                found = ancestor
+        return found if found is not None and self.plan.uniform(found) else None
+
     def leave_SimpleStatementLine(self, original, updated):
-        if id(original) not in self.plan.gated_lines:
-            return None
-        return self._wrap(original, updated)
+        if id(original) in self.plan.gated_lines:
+            return self._wrap(original, updated)
+        if sharding(self.ctx) and self.plan.active and self.plan.gated(original) and self.plan.torch_saves(original):
+            # a save in the script's own rank-0 branch: gathered above the branch, or left (reported)
+            gathered, first = self._gathered(original, updated)
+            return None if first else gathered
+        return None
 
     def leave_If(self, original: cst.If, updated: cst.If):
-        if id(original) not in self.plan.decided_on_rank0:
-            return None
-        self.report(original.test, "a test of the filesystem around a write that rank 0 alone makes: decided on "
-                                   "rank 0 for every rank (`broadcast_object`), so all take the branch and wait "
-                                   "for the write there")
-        return updated.with_changes(test=_call(self.ctx, "broadcast_object", [cst.Arg(updated.test)], self.fixing))
+        first = self.before.pop(id(original), [])
+        if id(original) in self.plan.decided_on_rank0:
+            self.report(original.test, "a test of the filesystem around a write that rank 0 alone makes: decided "
+                                       "on rank 0 for every rank (`broadcast_object`), so all take the branch and "
+                                       "wait for the write there")
+            updated = updated.with_changes(test=_call(self.ctx, "broadcast_object", [cst.Arg(updated.test)],
+                                                      self.fixing))
+        if not first:
+            return updated if id(original) in self.plan.decided_on_rank0 else None
+        first[0] = first[0].with_changes(leading_lines=updated.leading_lines)
+        return cst.FlattenSentinel([*first, updated.with_changes(leading_lines=[])])
 
     def leave_With(self, original: cst.With, updated: cst.With):
         if not self.plan.gated_with_saves(original):
@@ -849,6 +880,39 @@ def _saved_names(value: cst.BaseExpression) -> List[cst.Name]:
     return []
 
 
+def sharded_aliases(plan, models: Set[str]) -> Set[str]:
+    """fsdp: `models` and the names that are the same object (`net = model` either way,
+    `model_to_save = model.module if hasattr(model, "module") else model`): sharding is in
+    place, so each holds the sharded model."""
+    out = set(models)
+    pairs = []  # (target, the names its value may be)
+    for a in plan.s.index.of(cst.Assign):
+        target = dotted(a.targets[0].target) if len(a.targets) == 1 else None
+        sources = _same_object(a.value)
+        if target and sources:
+            pairs.append((target, sources))
+    for _ in range(3):  # chains of aliases
+        more = {t for t, sources in pairs if sources & out} | {n for t, sources in pairs if t in out for n in sources}
+        if more <= out:
+            break
+        out |= more
+    return out
+
+
+def _same_object(value: cst.BaseExpression) -> Set[str]:
+    """The dotted names `value` hands back as they are: `m`, `m.module`, `unwrap_model(m)`,
+    `a if c else b`; empty for anything else (a call makes another object)."""
+    if isinstance(value, cst.IfExp):
+        return _same_object(value.body) | _same_object(value.orelse)
+    if isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "unwrap_model" \
+            and len(value.args) == 1:
+        return _same_object(value.args[0].value)
+    if isinstance(value, cst.Attribute) and value.attr.value == "module":
+        return _same_object(value.value)
+    name = dotted(value) if isinstance(value, (cst.Name, cst.Attribute)) else None
+    return {name} if name else set()
+
+
 def sharded_optimizers(plan, models: Set[str]) -> Dict[str, str]:
     """fsdp: the optimizer names (as bound) that train exactly one sharded model -> that model."""
     out: Dict[str, str] = {}
@@ -884,6 +948,7 @@ class _Gather(cst.CSTTransformer):
         super().__init__()
         self.rule, self.where, self.models, self.optimizers = rule, where, models, optimizers
         self.first: List[cst.SimpleStatementLine] = []
+        self.notes: List[str] = []  # what was gathered: reported where the gathering is kept
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         ctx, fixing = self.rule.ctx, self.rule.fixing
@@ -904,7 +969,7 @@ class _Gather(cst.CSTTransformer):
             return updated
         name = fresh_name(ctx, owner.rsplit(".", 1)[-1] + "_state")
         self.first.append(_assign(name, value))
-        self.rule.report(self.where, f"`{owner}.state_dict()` of a sharded model: gathered whole on every rank "
+        self.notes.append(f"`{owner}.state_dict()` of a sharded model: gathered whole on every rank "
                                    f"(`{name}`), saved by rank 0")
         return cst.Name(name)
 
@@ -923,7 +988,7 @@ class _Whole(cst.CSTTransformer):
         rule = self.gather.rule
         name = fresh_name(rule.ctx, f"{original.value}_whole")
         self.gather.first.append(_assign(name, _call(rule.ctx, "full_model", [cst.Arg(updated)], rule.fixing)))
-        rule.report(self.gather.where, f"`{original.value}` saved whole: an unsharded copy of its own class, "
+        self.gather.notes.append(f"`{original.value}` saved whole: an unsharded copy of its own class, "
                                        f"gathered on every rank (`{name}`), pickled by rank 0")
         return cst.Name(name)
 

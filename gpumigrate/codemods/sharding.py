@@ -8,7 +8,7 @@ migration as fsdp and lists what sharding changes that the migration cannot sett
 
 from __future__ import annotations
 
-from typing import Set
+from typing import Dict, Set
 
 import libcst as cst
 
@@ -16,10 +16,15 @@ from gpumigrate.analysis.structure import dotted
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp_plan import ddp_plan
 from gpumigrate.codemods.ddp import FSDP_CODE
-from gpumigrate.codemods.distributed import _state_dict_of, sharded_optimizers
+from gpumigrate.codemods.distributed import _state_dict_of, sharded_aliases, sharded_optimizers
+from gpumigrate.codemods.helpers import keyword_arg, runtime_name
 
 
 _BATCHNORMS = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"})
+# builtins that look at a module without running it
+_INSPECT = frozenset({"hasattr", "getattr", "isinstance", "type", "id", "print", "repr", "str", "len"})
+# a sharded module's attributes whose use gathers its parameters
+_GATHERING = frozenset({"forward", "parameters", "named_parameters", "state_dict", "weight", "bias"})
 
 
 class FsdpShard(Rule):
@@ -83,6 +88,8 @@ class FsdpShard(Rule):
     )
 
     def visit_Module(self, node: cst.Module) -> None:
+        self.whole: Dict[int, str] = {}  # id of a `X.state_dict()` every rank runs -> X
+        self.optimizers: Dict[str, str] = {}
         plan = ddp_plan(self.ctx)
         if not plan.active:
             return
@@ -103,9 +110,11 @@ class FsdpShard(Rule):
             self.report(node.body[0], "BatchNorm's running statistics are averaged across the ranks at each step "
                                       "(FSDP keeps buffers per rank; under ddp they would be rank 0's): "
                                       "evaluations differ slightly from a ddp run's")
-        optimizers = sharded_optimizers(plan, models)
+        self.optimizers = sharded_optimizers(plan, models)
+        aliases = sharded_aliases(plan, models)
         gathered = self._gathered_lines(plan)
         s = plan.s
+        self._rank_local_reads(plan, models, gathered)
         for call in s.index.of(cst.Call):
             func = call.func
             if isinstance(func, cst.Attribute) and func.attr.value == "forward" and dotted(func.value) in models:
@@ -113,18 +122,72 @@ class FsdpShard(Rule):
                                   f"model's parameters: call `{dotted(func.value)}(...)`", review=True)
                 continue
             owner = _state_dict_of(call)
-            if (owner in models or owner in optimizers) and id(s.line(call)) not in gathered:
-                self.report(call, f"`{owner}.state_dict()` of a sharded model holds this rank's shards (DTensors): "
-                                  "to save or copy the whole, every rank calls `full_state_dict(model)` "
-                                  "(`full_optimizer_state_dict(model, optimizer)`)", review=True)
+            if (owner in aliases or owner in self.optimizers) and id(s.line(call)) not in gathered:
+                if plan.uniform(call):
+                    self.whole[id(call)] = owner
+                    self.report(call, f"`{owner}.state_dict()` of a sharded model: gathered whole on every rank, "
+                                      "as one process had it (`rank0_only=False`: a full copy on each rank's CPU)")
+                else:
+                    self.report(call, f"`{owner}.state_dict()` of a sharded model holds this rank's shards "
+                                      "(DTensors), and not every rank provably runs this code to gather them: make "
+                                      "every rank call `full_state_dict(model)` here", review=True)
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """`model.state_dict()` that every rank runs (a checkpoint dict handed to a helper that
+        saves it, a copy of the best weights): the whole state, on every rank."""
+        owner = self.whole.get(id(original)) if self.fixing else None
+        if owner is None:
+            return updated
+        everywhere = keyword_arg("rank0_only", cst.Name("False"))
+        if owner in self.optimizers:
+            args = [cst.Arg(cst.parse_expression(self.optimizers[owner])), cst.Arg(cst.parse_expression(owner))]
+            return cst.Call(func=runtime_name(self.ctx, "full_optimizer_state_dict"), args=[*args, everywhere])
+        return cst.Call(func=runtime_name(self.ctx, "full_state_dict"),
+                        args=[cst.Arg(cst.parse_expression(owner)), everywhere])
+
+    def _rank_local_reads(self, plan, models: Set[str], gathered: Set[int]) -> None:
+        """A sharded model used in code only some ranks run (the script's own `if rank == 0:`,
+        or a function only such code calls): its forward, or a read of its parameters,
+        gathers them from every rank, which never come."""
+        s, seen = plan.s, set()
+        gated_functions = plan.gated_functions
+        for node in [*s.index.of(cst.Name), *s.index.of(cst.Attribute)]:
+            if dotted(node) not in models or not self._gathers(s, node):
+                continue
+            line = s.line(node)
+            fn = s.function(node)
+            if id(line) in seen or id(line) in gathered or not (plan.gated(node) or fn is not None and id(fn.node) in gated_functions):
+                continue
+            seen.add(id(line))
+            self.report(node, f"`{dotted(node)}` is sharded, and this code runs on some ranks only: its forward or "
+                              "a read of its parameters gathers them from every rank, which are not there; run it "
+                              "on every rank, or use `full_state_dict`/`full_model` (every rank) first", review=True)
+
+    @staticmethod
+    def _gathers(s, node: cst.CSTNode) -> bool:
+        """Does this use of a sharded model gather its parameters: its forward (called, or
+        handed to a function), or a read of its parameters (`model.fc.weight`,
+        `model.parameters()`)? Not `model.num_classes` or `model.eval()`."""
+        above = s.parent(node)
+        if isinstance(above, cst.Call) and above.func is node:
+            return True
+        if isinstance(above, cst.Arg):  # handed to a function, which may run it; not to these
+            call = s.parent(above)
+            return not (isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value in _INSPECT)
+        if not isinstance(above, cst.Attribute) or above.value is not node:
+            return False
+        if above.attr.value in _GATHERING:
+            return True
+        return isinstance(s.parent(above), cst.Attribute)  # `model.fc.weight`: a submodule's tensors
 
     @staticmethod
     def _gathered_lines(plan) -> Set[int]:
-        """The lines whose saves GM404 gates and gathers (a save line, or a line of a
-        `with open(...)` block that only writes)."""
+        """The lines whose saves GM404 gathers, or reports (a save line it gates, one in the
+        script's own rank-0 branch, or a line of a `with open(...)` block that only writes)."""
         out: Set[int] = set()
         for node in plan.s.index.order:
-            if isinstance(node, cst.SimpleStatementLine) and id(node) in plan.gated_lines and plan.saves_here(node):
+            if isinstance(node, cst.SimpleStatementLine) and (
+                    id(node) in plan.gated_lines and plan.saves_here(node) or plan.gated(node) and plan.torch_saves(node)):
                 out.add(id(node))
             elif isinstance(node, cst.With) and plan.gated_with_saves(node):
                 out.update(id(n) for n in plan.s.inside(node, cst.SimpleStatementLine))

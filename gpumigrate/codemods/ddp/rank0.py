@@ -213,6 +213,10 @@ class RankZero:
         """The `torch.save` calls of a gated line or `with open(...)` block."""
         if id(stmt) not in self.gated_lines and id(stmt) not in self.gated_withs:
             return []
+        return self.torch_saves(stmt)
+
+    def torch_saves(self, stmt: cst.CSTNode) -> List[cst.Call]:
+        """The `torch.save` calls in `stmt`, gated or not."""
         return [c for c in self.s.inside(stmt, cst.Call) if self.model.qualify(c.func) == "torch.save"]
 
     @cached_property
