@@ -79,18 +79,21 @@ def test_amp_golden_and_idempotent(amp_script, target):
     assert again.error is None and again.new_source is None, "a second run changed the file"
 
 
-@pytest.mark.parametrize("fsdp_script", FSDP_SCRIPTS, ids=lambda p: p.name)
-def test_fsdp_golden_and_idempotent(fsdp_script):
-    result = migrate(fsdp_script.read_bytes(), "fsdp", str(fsdp_script))
+@pytest.mark.parametrize("fsdp_script, target", [*((s, "fsdp") for s in FSDP_SCRIPTS),
+                                                  (FIXTURES / "scripts" / "transformer_blocks.py", "fsdp,amp")],
+                         ids=lambda p: getattr(p, "name", p))
+def test_fsdp_golden_and_idempotent(fsdp_script, target):
+    result = migrate(fsdp_script.read_bytes(), target, str(fsdp_script))
     assert result.error is None and result.changed
-    path = golden(fsdp_script, "fsdp")
+    path = golden(fsdp_script, target)
     if os.environ.get("GPUMIGRATE_UPDATE_GOLDENS"):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(result.new_source)
     assert result.new_source == path.read_bytes()
     text = result.new_source.decode()
     assert "shard_model(" in text and not re.search(r"\bwrap_model\(", text)
-    again = migrate(result.new_source, "fsdp", str(fsdp_script))
+    assert ("mixed_precision=True" in text) == ("amp" in target)  # the shards follow autocast's precision
+    again = migrate(result.new_source, target, str(fsdp_script))
     assert again.error is None and again.new_source is None, "a second run changed the file"
 
 

@@ -67,11 +67,11 @@ class Runs:
             pytest.fail(f"{target} {name}: {run.summary()}", pytrace=False)
         return run
 
-    def reference(self, name: str, checkpoints: List[str]) -> Run:
+    def reference(self, name: str, checkpoints: List[str], target: str = "fsdp") -> Run:
         """The original in one process, loading the fsdp checkpoints into its own model."""
         args = [a for path in checkpoints for a in ("--probe-load", path)]
         # the original's model, built by its own code; its device golden, which runs on a CPU
-        return run_probe(FIXTURES / "expected" / "device" / name, self.base / "reference" / name, 1,
+        return run_probe(FIXTURES / "expected" / "device" / name, self.base / "reference" / target / name, 1,
                          REFERENCE_ARGS.get(name, []),
                          args, kind="reference (original, one process)")
 
@@ -157,3 +157,19 @@ def test_rank0_writes_whole_checkpoints_that_load_into_the_original(name, runs):
     assert {load["file"] for load in loads} == set(written[0]), loads
     for load in loads:
         assert load["loaded_into"], f"{load['file']} does not load into the original: {load['error']}"
+
+
+def test_fsdp_amp_trains_near_float32_and_saves_float32_weights(runs):
+    """`--to fsdp,amp`: the shards compute in the autocast precision (bfloat16 on a CPU);
+    the losses stay within 1% of the float32 fsdp run's, and the checkpoint holds float32
+    weights (the sharded parameters stay float32) that load into the original."""
+    name = "transformer_blocks.py"
+    amp, full = runs.torchrun("fsdp,amp", name), runs.torchrun("fsdp", name)
+    got, want = losses(amp.stdout, name), losses(full.stdout, name)
+    assert len(got) == len(want) and got != want, "bfloat16 should change the last digits"
+    assert all(abs(float(a) - float(b)) <= 0.01 * abs(float(b)) for a, b in zip(got, want)), (got, want)
+    written = saves(amp)[0]
+    state = load_checkpoint(written[0])
+    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
+    reference = runs.reference(name, written, "fsdp,amp")
+    assert reference.returncode == 0 and all(load["loaded_into"] for load in reference.ranks[0]["loads"])
