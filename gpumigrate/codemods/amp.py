@@ -676,9 +676,11 @@ def _same_statements(a: cst.BaseSuite, b: cst.BaseSuite) -> bool:
         return False
     import ast
 
+    from gpumigrate.rewriter.engine import parse_python
+
     try:
-        return ast.dump(ast.parse(cst.Module(body=list(a.body)).code)) == \
-            ast.dump(ast.parse(cst.Module(body=list(b.body)).code))
+        return ast.dump(parse_python(cst.Module(body=list(a.body)).code)) == \
+            ast.dump(parse_python(cst.Module(body=list(b.body)).code))
     except SyntaxError:  # `return` or `yield` of a function body: the rendered text, without comments
         render = cst.Module(body=[]).code_for_node
         plain = [c.value for c in m.findall(a, m.Comment()) + m.findall(b, m.Comment())]

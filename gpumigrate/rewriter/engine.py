@@ -20,12 +20,14 @@ import io
 import re
 import sys
 import textwrap
+import threading
 import tokenize
 import warnings
 from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
+                    Set, Tuple, Union)
 
 import libcst as cst
 from libcst.metadata import CodePosition, CodeRange, MetadataWrapper, PositionProvider
@@ -891,7 +893,28 @@ def _python_tree(source: bytes, path: str) -> Optional[ast.Module]:
     return tree[0] if _judge(source, path, tree) is None else None
 
 
+# Held while the recursion limit is changed and while CPython builds AST objects: 3.11's
+# AST constructor counts its depth in interpreter-wide state, from the limit, so two threads
+# in it at once (a collection in one runs Python code, and the other gets the GIL: a
+# timed-out file's thread still judging) made `ast.parse` raise "AST constructor recursion
+# depth mismatch" (CPython gh-106905).
+RECURSION_LIMIT_LOCK = threading.RLock()
+
+
+def parse_python(source: Union[str, bytes], path: str = "<unknown>") -> ast.Module:
+    """`ast.parse`, one thread at a time: 3.11 keeps the AST constructor's depth count in
+    interpreter-wide state, and a garbage collection during one thread's parse can let
+    another's run (see RECURSION_LIMIT_LOCK)."""
+    with RECURSION_LIMIT_LOCK:
+        return ast.parse(source, path)
+
+
 def _judge(source: bytes, path: str, tree: Optional[List[ast.Module]]) -> Optional[SyntaxError]:
+    with RECURSION_LIMIT_LOCK:
+        return _judge_locked(source, path, tree)
+
+
+def _judge_locked(source: bytes, path: str, tree: Optional[List[ast.Module]]) -> Optional[SyntaxError]:
     saved = sys.getrecursionlimit()
     try:
         sys.setrecursionlimit(_PYTHON_RECURSION_LIMIT + _depth())

@@ -127,12 +127,14 @@ def _parse(data: bytes) -> ast.Module:
     """The tree of a module; one written for Python <= 3.6 with a keyword argument named
     `async` (`x.cuda(async=True)`) is read with that argument renamed: only its facts are
     read here, and the migration repairs the file itself."""
+    from gpumigrate.rewriter.engine import parse_python  # one thread at a time (see there)
+
     try:
-        return ast.parse(data)
+        return parse_python(data)
     except SyntaxError:
         if b"async" not in data:
             raise
-        return ast.parse(re.sub(rb"\basync(\s*=(?!=))", rb"async_\1", data))
+        return parse_python(re.sub(rb"\basync(\s*=(?!=))", rb"async_\1", data))
 
 
 def stateful_classes(tree: ast.Module) -> Tuple[str, ...]:

@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
-from gpumigrate.rewriter.engine import FileResult, UserError, process
+from gpumigrate.rewriter.engine import RECURSION_LIMIT_LOCK, FileResult, UserError, process
 from gpumigrate.rewriter.files import DEFAULT_MAX_FILE_SIZE, Refused, Stamp, read, write_atomic
 from gpumigrate.rewriter.names import ImportTable
 from gpumigrate.rewriter.notebook import is_notebook, process_notebook
@@ -149,18 +149,21 @@ def run_deep(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         except (ValueError, RuntimeError):
             return fn(*args, **kwargs)
         thread = threading.Thread(target=target, name="gpumigrate-file", daemon=True)
-        sys.setrecursionlimit(max(limit, DEEP_RECURSION_LIMIT))
+        with RECURSION_LIMIT_LOCK:
+            sys.setrecursionlimit(max(limit, DEEP_RECURSION_LIMIT))
         try:
             thread.start()
         except RuntimeError:  # no memory for the stack
-            sys.setrecursionlimit(limit)
+            with RECURSION_LIMIT_LOCK:
+                sys.setrecursionlimit(limit)
             return fn(*args, **kwargs)
         finally:
             threading.stack_size(size)
         try:
             thread.join()
         finally:
-            sys.setrecursionlimit(limit)
+            with RECURSION_LIMIT_LOCK:
+                sys.setrecursionlimit(limit)
     if "error" in out:
         raise out["error"]
     return out["value"]
