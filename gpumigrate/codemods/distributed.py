@@ -759,6 +759,7 @@ class CheckpointEveryRank(Rule):
         self.plan = ddp_plan(self.ctx)
         self.models = {w.name for w in self.plan.wraps}
         self.optimizers = sharded_optimizers(self.plan, self.models) if sharding(self.ctx) else {}
+        self.aliases = sharded_aliases(self.plan, self.models) if sharding(self.ctx) else set()
         self.before: Dict[int, List[cst.SimpleStatementLine]] = {}  # id of an `if` -> gathers to put above it
 
     def _wrap(self, original, updated):
@@ -783,7 +784,7 @@ class CheckpointEveryRank(Rule):
         whole before the rank-0 gate, on every rank (a collective), and saved by rank 0."""
         # a module saved here may be the sharded model under another name (`net = model` before
         # shard_model(model), which shards the object in place): its aliases are gathered too
-        gather = _Gather(self, original, sharded_aliases(self.plan, self.models), self.optimizers)
+        gather = _Gather(self, original, self.aliases, self.optimizers)
         updated = updated.visit(gather)
         if not gather.first or self.plan.uniform(original):
             for note in gather.notes:
@@ -929,6 +930,21 @@ def sharded_optimizers(plan, models: Set[str]) -> Dict[str, str]:
     return out
 
 
+def gathering_call(ctx, owner: str, optimizers: Dict[str, str], fixing: bool,
+                   everywhere: bool = False) -> cst.Call:
+    """The runtime call that gathers `owner.state_dict()` whole: `full_state_dict(model)`, or
+    `full_optimizer_state_dict(model, optimizer)` for an optimizer of `optimizers`;
+    `everywhere`: on every rank (`rank0_only=False`), not rank 0 alone."""
+    if owner in optimizers:
+        name, args = "full_optimizer_state_dict", [cst.Arg(cst.parse_expression(optimizers[owner])),
+                                                   cst.Arg(cst.parse_expression(owner))]
+    else:
+        name, args = "full_state_dict", [cst.Arg(cst.parse_expression(owner))]
+    if everywhere:
+        args.append(keyword_arg("rank0_only", cst.Name("False")))
+    return _call(ctx, name, args, fixing)
+
+
 def _state_dict_of(call: cst.Call) -> Optional[str]:
     """`X.state_dict()` or `unwrap_model(X).state_dict()`: X's dotted name."""
     if call.args or not m.matches(call.func, m.Attribute(attr=m.Name("state_dict"))):
@@ -960,17 +976,12 @@ class _Gather(cst.CSTTransformer):
                 return updated.with_changes(args=[updated.args[0].with_changes(value=value), *updated.args[1:]])
             return updated
         owner = _state_dict_of(updated)
-        if owner in self.models:
-            value = _call(ctx, "full_state_dict", [cst.Arg(cst.parse_expression(owner))], fixing)
-        elif owner in self.optimizers:
-            value = _call(ctx, "full_optimizer_state_dict", [cst.Arg(cst.parse_expression(self.optimizers[owner])),
-                                                             cst.Arg(cst.parse_expression(owner))], fixing)
-        else:
+        if owner not in self.models and owner not in self.optimizers:
             return updated
         name = fresh_name(ctx, owner.rsplit(".", 1)[-1] + "_state")
-        self.first.append(_assign(name, value))
+        self.first.append(_assign(name, gathering_call(ctx, owner, self.optimizers, fixing)))
         self.notes.append(f"`{owner}.state_dict()` of a sharded model: gathered whole on every rank "
-                                   f"(`{name}`), saved by rank 0")
+                          f"(`{name}`), saved by rank 0")
         return cst.Name(name)
 
 
@@ -989,7 +1000,7 @@ class _Whole(cst.CSTTransformer):
         name = fresh_name(rule.ctx, f"{original.value}_whole")
         self.gather.first.append(_assign(name, _call(rule.ctx, "full_model", [cst.Arg(updated)], rule.fixing)))
         self.gather.notes.append(f"`{original.value}` saved whole: an unsharded copy of its own class, "
-                                       f"gathered on every rank (`{name}`), pickled by rank 0")
+                                 f"gathered on every rank (`{name}`), pickled by rank 0")
         return cst.Name(name)
 
 

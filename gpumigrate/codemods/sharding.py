@@ -16,8 +16,7 @@ from gpumigrate.analysis.structure import dotted
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp_plan import ddp_plan
 from gpumigrate.codemods.ddp import FSDP_CODE
-from gpumigrate.codemods.distributed import _state_dict_of, sharded_aliases, sharded_optimizers
-from gpumigrate.codemods.helpers import keyword_arg, runtime_name
+from gpumigrate.codemods.distributed import _state_dict_of, gathering_call, sharded_aliases, sharded_optimizers
 
 
 _BATCHNORMS = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"})
@@ -138,12 +137,7 @@ class FsdpShard(Rule):
         owner = self.whole.get(id(original)) if self.fixing else None
         if owner is None:
             return updated
-        everywhere = keyword_arg("rank0_only", cst.Name("False"))
-        if owner in self.optimizers:
-            args = [cst.Arg(cst.parse_expression(self.optimizers[owner])), cst.Arg(cst.parse_expression(owner))]
-            return cst.Call(func=runtime_name(self.ctx, "full_optimizer_state_dict"), args=[*args, everywhere])
-        return cst.Call(func=runtime_name(self.ctx, "full_state_dict"),
-                        args=[cst.Arg(cst.parse_expression(owner)), everywhere])
+        return gathering_call(self.ctx, owner, self.optimizers, self.fixing, everywhere=True)
 
     def _rank_local_reads(self, plan, models: Set[str], gathered: Set[int]) -> None:
         """A sharded model used in code only some ranks run (the script's own `if rank == 0:`,
@@ -156,7 +150,8 @@ class FsdpShard(Rule):
                 continue
             line = s.line(node)
             fn = s.function(node)
-            if id(line) in seen or id(line) in gathered or not (plan.gated(node) or fn is not None and id(fn.node) in gated_functions):
+            if id(line) in seen or id(line) in gathered or not (
+                    plan.gated(node) or fn is not None and id(fn.node) in gated_functions):
                 continue
             seen.add(id(line))
             self.report(node, f"`{dotted(node)}` is sharded, and this code runs on some ranks only: its forward or "
