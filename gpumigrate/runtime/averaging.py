@@ -130,10 +130,7 @@ def _note_sharded(model: nn.Module) -> None:
 
 def _sharded(param: torch.Tensor) -> bool:
     """A parameter that differs per rank by design (FSDP's flat parameters, DTensors)."""
-    if getattr(param, "_is_flat_param", False):
-        return True
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(param, getattr(dtensor, "DTensor", ()))
+    return bool(getattr(param, "_is_flat_param", False)) or _is_dtensor(param)
 
 
 def _unwrapped(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
@@ -490,6 +487,7 @@ def _averaging_clip(clip: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _is_dtensor(tensor: Any) -> bool:
+    """A DTensor (imports nothing: none exists before torch.distributed.tensor is loaded)."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     return dtensor is not None and isinstance(tensor, getattr(dtensor, "DTensor", ()))
 
