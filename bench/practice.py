@@ -17,12 +17,13 @@ entry, in a scratch copy of its files (the script and the sibling modules it imp
    and bench/practice_shim/ on PYTHONPATH (fake datasets, capped loaders and steps: see its
    docstring), with the interpreter given by --python (one that has torchvision);
 3. a class, from the probe's records of the ddp run:
-   - data-parallel: every optimizer's parameters identical on both ranks at exit, and the
-     training data sharded (a DistributedSampler or the runtime's shard with 2 replicas, the
-     ranks drawing disjoint indices) or, without a sampler, of each rank's own (the inputs of
-     the training forwards differ between the ranks on at least 90% of the steps: an
-     environment per rank, batches drawn at random per rank);
-   - sync-only: identical parameters, data not sharded (each rank trains on all of it);
+   - data-parallel: every optimizer's parameters identical on both ranks at exit, and the work
+     split (`work_split`, the definition of the hidden evaluation sets): each rank makes about
+     1/N of the optimizer steps (or backward calls) of the one-process run, which must have
+     ended by itself, drawing no sample another rank draws; where the one-process run is cut
+     by the step cap, a DistributedSampler (or the runtime's shard) dealing N disjoint shards.
+     Different random draws per rank alone grow the global batch and do not split the work;
+   - sync-only: identical parameters, the work not split (each rank does all of it);
    - independent: the ranks end with different parameters (silently wrong unless a review item
      said so: the notes say which);
    - declined: the ranks end with different parameters, and gpumigrate said it would not make
@@ -30,6 +31,12 @@ entry, in a scratch copy of its files (the script and the sibling modules it imp
    - crash: the migration or the ddp run failed (the notes say whether the device baseline
      failed too: a crash the original does not have is the bad kind);
    - no training: gpumigrate found no training (evaluation or helper file).
+
+With `--device-only`, only the `--to device` migration runs, in one process: whether an entry
+runs and ends by itself under the caps (for tuning a new entry without seeing its ddp outcome).
+
+Practice entries can be sealed (bench/practice_sealed.json): `--sealed` runs them and prints
+totals only, `--unsealed` leaves them out; neither prints a sealed entry's name or outcome.
 
 With `--verify`, each entry goes through `gpumigrate verify --to device` and `--to ddp` instead
 (verify's own runs, fake data and checks; the table says equivalent, different or could not
@@ -63,10 +70,12 @@ if str(ROOT) not in sys.path:
 from gpumigrate.verify.runs import LAUNCH_VARS, run_bounded  # noqa: E402
 
 SHIM = ROOT / "bench" / "practice_shim"
+SEALED = ROOT / "bench" / "practice_sealed.json"
 MANIFEST = ROOT / "bench" / "practice_corpus.json"
 CORPUS = Path("/work/practice-corpus")
 NPROC = 2
-SHIM_ENV = {"PRACTICE_SHIM": "1", "PRACTICE_MAX_BATCHES": "4", "PRACTICE_MAX_STEPS": "40",
+SHIM_ENV = {"PRACTICE_SHIM": "1", "PRACTICE_MAX_BATCHES": "4", "PRACTICE_MAX_STEPS": "150",
+            "PRACTICE_MAX_RANGE": "8",
             "PRACTICE_TRAIN_SIZE": "256", "MPLBACKEND": "Agg",
             # old generated protobuf code (tensorboard_logger) fails with today's protobuf otherwise
             "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
@@ -181,7 +190,7 @@ def run_env(work: Path, entry: dict, root: Path, gm_root: Path) -> Dict[str, str
            if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_", "PYTHON"))}
     paths = [str(SHIM), str(gm_root), *[str(root / p) for p in entry.get("pythonpath", [])]]
     env.update(SHIM_ENV, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths), TMPDIR=str(work / "tmp"),
-               PYTHONHASHSEED="0", HOME=str(work / "home"))
+               PYTHONHASHSEED="0", HOME=str(work / "home"), PRACTICE_ROOT=str(work))
     env.update(entry.get("env", {}))
     (work / "tmp").mkdir(parents=True, exist_ok=True)
     (work / "home").mkdir(parents=True, exist_ok=True)
@@ -270,7 +279,7 @@ def sharding(run: dict) -> dict:
     first = lambda rep: {s["sampler"]: s for s in rep.get("samplers", []) if s.get("call") == 0}  # noqa: E731
     s0, s1 = first(r0), first(r1)
     if not s0:
-        return _own_data(r0.get("inputs") or [], r1.get("inputs") or [])
+        return {"sharded": False, "why": "no sampler recorded"}
     best = max(s0.values(), key=lambda s: (s.get("steps", 0), len(s["indices"])))
     other = s1.get(best["sampler"])
     info = {"kind": best["kind"], "dataset_len": best.get("dataset_len"), "drawn": [len(best["indices"])]}
@@ -290,19 +299,48 @@ def sharding(run: dict) -> dict:
     return info
 
 
-def _own_data(first: List[str], second: List[str]) -> dict:
-    """Without a sampler: do the ranks feed their training forwards data of their own (an
-    environment each, batches drawn at random per rank)? Compared step by step on the
-    fingerprints the probe took before each optimizer step."""
-    pairs = list(zip(first, second))
-    differ = sum(a != b for a, b in pairs)
-    if pairs and differ >= 0.9 * len(pairs):
-        return {"sharded": True, "kind": "own data", "why": f"no sampler; each rank trains on data of its own (the "
-                f"training inputs differ between the ranks on {differ} of {len(pairs)} steps)"}
-    why = "no sampler recorded (no DataLoader with a sampler the probe sees)"
-    if pairs:
-        why += f"; the training inputs are the same on both ranks on {len(pairs) - differ} of {len(pairs)} steps"
-    return {"sharded": False, "why": why}
+def _count(run: Optional[dict], rank: int, what: str) -> int:
+    rep = (run or {}).get("ranks", {}).get(rank, {})
+    if what == "steps":
+        return sum(o.get("steps", 0) for o in rep.get("optimizers") or [])
+    return int(rep.get("backwards") or 0)
+
+
+# "about 1/N" of the one-process run's work, for N = NPROC
+SPLIT_LOW, SPLIT_HIGH = 0.6 / NPROC, 1.5 / NPROC
+
+
+def work_split(rec: dict) -> dict:
+    """Is the training work split between the ranks, as the hidden sets' oracle defines it? With a
+    training DataLoader, each rank draws about 1/N of the samples one process draws; without one,
+    each rank makes about 1/N of its optimizer steps (or of its backward calls, where gradient
+    accumulation is split). Counted on complete runs: the one-process run must end by itself
+    (not at the step cap; bench/practice_shim caps hard-coded loops and shortens a sharded pass in
+    proportion), else only a sampler that deals disjoint shards can tell."""
+    dev, ddp = rec.get("device_run"), rec.get("ddp_run")
+    sampler = sharding(ddp)
+    out = {"sampler": sampler}
+    steps_dev, back_dev = _count(dev, 0, "steps"), _count(dev, 0, "backwards")
+    comparable = bool(dev and dev["ok"] and not dev.get("stopped_by_step_cap") and steps_dev >= 2)
+    if not comparable:
+        out["split"] = sampler["sharded"]
+        out["why"] = sampler["why"] + ("; steps not comparable: " + (
+            "the one-process run stopped at the step cap" if dev and dev.get("stopped_by_step_cap")
+            else "the one-process run did not train" if dev and dev["ok"] else "the one-process run failed"))
+        return out
+    ranks = sorted((ddp or {}).get("ranks", {}))
+    steps = [_count(ddp, r, "steps") for r in ranks]
+    backs = [_count(ddp, r, "backwards") for r in ranks]
+    ratio = lambda mine, whole: (mine / whole) if whole else 0.0  # noqa: E731
+    step_split = bool(steps) and all(SPLIT_LOW <= ratio(x, steps_dev) <= SPLIT_HIGH for x in steps)
+    back_split = bool(backs) and back_dev >= 2 and all(SPLIT_LOW <= ratio(x, back_dev) <= SPLIT_HIGH for x in backs)
+    overlapping = sampler.get("overlap", 0) > max(1, (sampler.get("drawn") or [0])[0] // 50) \
+        and sampler.get("kind") in ("DistributedSampler", "_Shard", "RandomSampler")
+    out["split"] = (step_split or back_split) and not overlapping
+    out["why"] = (f"optimizer steps per rank {'/'.join(map(str, steps))} of one process's {steps_dev}"
+                  + (f", backward calls {'/'.join(map(str, backs))} of {back_dev}" if back_split and not step_split else "")
+                  + ("; " + sampler["why"] if sampler.get("kind") else ""))
+    return out
 
 
 def classify(rec: dict) -> None:
@@ -337,7 +375,7 @@ def classify(rec: dict) -> None:
         if not base_ok and dev and ddp and _same_failure(dev, ddp):
             rec["crash_kind"] = "same failure as the baseline"
         return
-    rec["sharding"] = sharding(ddp)
+    rec["sharding"] = work_split(rec)
     declined = [line for line in mig["review"] if DECLINED.search(line)]
     flagged = [line for line in mig["review"] if re.search(r"optimizer|wrap|shard|sampler", line, re.I)]
     if opt.get("mismatch"):
@@ -346,7 +384,7 @@ def classify(rec: dict) -> None:
         rec["outcome"] = "no training"
         rec["reason"] = "the run ended without an optimizer step" + ("" if opt["count"] else " (no optimizer built)")
     elif all(opt["identical"]):  # one model on every rank: what gpumigrate said does not change that
-        if rec["sharding"]["sharded"]:
+        if rec["sharding"]["split"]:
             rec["outcome"], rec["reason"] = "data-parallel", rec["sharding"]["why"]
         else:
             rec["outcome"], rec["reason"] = "sync-only", prefix + rec["sharding"]["why"] + (
@@ -401,7 +439,7 @@ def _slim(rec: dict) -> None:
     for key in ("device_run", "ddp_run"):
         run = rec.get(key)
         if run:
-            run["ranks"] = {r: {k: rep.get(k) for k in ("error", "exit_code", "seconds", "optimizers", "wrap_calls")}
+            run["ranks"] = {r: {k: rep.get(k) for k in ("error", "exit_code", "seconds", "optimizers", "wrap_calls", "backwards")}
                             | {"samplers": [{k: v for k, v in s.items() if k != "indices"} | {"drawn": len(s["indices"])}
                                             for s in rep.get("samplers", [])]}
                             for r, rep in run["ranks"].items()}
@@ -445,19 +483,7 @@ def run_entry(entry: dict, args, corpus: Path, scratch: Path) -> dict:
     second = migrate(args.tool_python, again, files, "ddp", args.gm_root)
     rec["idempotent"] = snapshot(again, files) == before and second["exit"] == 0
     shutil.rmtree(again)
-    # data, placeholders
-    run_args = []
-    for folder in folders.values():
-        for rel, kind in entry.get("fake_dirs", {}).items():
-            make_fake(kind, folder / rel)
-        make_fake("text", folder / "_practice" / "fake.txt")
-    for a in entry.get("args", []):
-        a = a.replace("{text_file}", "_practice_text.txt")
-        a = a.replace("{fake_imagefolder}", "_practice_imagenet")  # a missing folder: the shim fakes it
-        run_args.append(a)
-    for folder in folders.values():  # the text file beside the script (cwd)
-        cwd = folder if entry.get("cwd") == "root" else (folder / entry["path"]).parent
-        shutil.copy(folder / "_practice" / "fake.txt", cwd / "_practice_text.txt")
+    run_args = prepare_runs(entry, list(folders.values()))
     rec["args"] = run_args
     rec["device_run"] = launch(args.python, folders["device"], entry, run_args, 1, args.timeout, args.gm_root)
     if rec["migrate_ddp"]["exit"] == 0 and rec["migrate_ddp"]["compiles"]:
@@ -467,6 +493,48 @@ def run_entry(entry: dict, args, corpus: Path, scratch: Path) -> dict:
     classify(rec)
     rec["seconds"] = round(time.perf_counter() - start, 1)
     _slim(rec)
+    return rec
+
+
+def load_manifests(paths: Optional[List[Path]]) -> List[dict]:
+    entries: List[dict] = []
+    for path in paths or [MANIFEST]:
+        entries.extend(json.loads(path.read_text()))
+    return entries
+
+
+def prepare_runs(entry: dict, folders: List[Path]) -> List[str]:
+    """Fake data in each run folder, and the entry's arguments with their placeholders filled."""
+    for folder in folders:
+        for rel, kind in entry.get("fake_dirs", {}).items():
+            make_fake(kind, folder / rel)
+        make_fake("text", folder / "_practice" / "fake.txt")
+        cwd = folder if entry.get("cwd") == "root" else (folder / entry["path"]).parent
+        shutil.copy(folder / "_practice" / "fake.txt", cwd / "_practice_text.txt")
+    return [a.replace("{text_file}", "_practice_text.txt").replace("{fake_imagefolder}", "_practice_imagenet")
+            for a in entry.get("args", [])]
+
+
+def device_entry(entry: dict, args, corpus: Path, scratch: Path) -> dict:
+    """`--device-only`: the entry's device migration, run once in one process."""
+    start = time.perf_counter()
+    folder = scratch / entry["name"] / "device"
+    if folder.exists():
+        shutil.rmtree(folder)
+    copy_files(entry, corpus, folder)
+    mig = migrate(args.tool_python, folder, py_files(entry), "device", args.gm_root)
+    rec = {"name": entry["name"], "steps": 0}
+    if mig["exit"] != 0 or not mig["compiles"]:
+        rec.update(status="MIGRATION", note="; ".join(mig["errors"] + mig["compile_errors"]) or mig["summary"])
+    else:
+        run = launch(args.python, folder, entry, prepare_runs(entry, [folder]), 1, args.timeout, args.gm_root)
+        rec["steps"] = sum(o.get("steps", 0) for o in run["ranks"].get(0, {}).get("optimizers") or [])
+        capped = run.get("stopped_by_step_cap")
+        rec.update(status="ok" if run["ok"] and not capped else "step-cap" if run["ok"] else "FAILS",
+                   note=run["error"] or "; ".join(run["shim"])[:300])
+        if not run["ok"] and args.verbose:
+            print(run["stderr_tail"][-3000:])
+    rec["seconds"] = round(time.perf_counter() - start, 1)
     return rec
 
 
@@ -533,10 +601,19 @@ def verify_markdown(records: List[dict], header: str) -> str:
 OUTCOMES = ("data-parallel", "sync-only", "independent", "declined", "crash", "no training")
 
 
-def markdown(records: List[dict], header: str) -> str:
+def runnable_training(rec: dict) -> bool:
+    """The entries the percentage counts: the one-process (device) run ends without an error and
+    makes optimizer steps."""
+    dev = rec.get("device_run")
+    return bool(dev and dev["ok"] and _count(dev, 0, "steps") > 0)
+
+
+def markdown(records: List[dict], header: str, totals_only: bool = False) -> str:
     lines = [header, "", "| # | script | kind | review | idem | device baseline | ddp outcome | reason / notes | s |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for i, rec in enumerate(records, 1):
+    if totals_only:
+        lines = [header + " (sealed entries: totals only)"]
+    for i, rec in enumerate([] if totals_only else records, 1):
         dev = rec.get("device_run")
         base = "ok" if dev and dev["ok"] else f"FAILS: {(dev or {}).get('error') or 'not run'}"
         cap = " (step cap)" if dev and dev.get("stopped_by_step_cap") else ""
@@ -553,6 +630,11 @@ def markdown(records: List[dict], header: str) -> str:
                  f"baseline fails too.")
     lines.append(f"Device baseline runs: {sum(bool(r.get('device_run') and r['device_run']['ok']) for r in records)}"
                  f"/{len(records)}. Not idempotent: {sum(not r['idempotent'] for r in records)}.")
+    runnable = [r for r in records if runnable_training(r)]
+    lines.append(f"Runnable training scripts (the one-process run trains): {len(runnable)}; data-parallel "
+                 f"{sum(r['outcome'] == 'data-parallel' for r in runnable)} "
+                 f"({100 * sum(r['outcome'] == 'data-parallel' for r in runnable) / max(1, len(runnable)):.0f}%), "
+                 + ", ".join(f"{o} {sum(r['outcome'] == o for r in runnable)}" for o in OUTCOMES[1:]))
     return "\n".join(lines) + "\n"
 
 
@@ -561,7 +643,8 @@ def main(argv=None) -> int:
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter for the runs (needs torch, torchvision, gpumigrate)")
     parser.add_argument("--tool-python", default=sys.executable, help="interpreter that runs gpumigrate")
-    parser.add_argument("--manifest", type=Path, default=MANIFEST)
+    parser.add_argument("--manifest", type=Path, action="append",
+                        help="a manifest of entries (repeatable; default bench/practice_corpus.json)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/practice-scratch"))
     parser.add_argument("--only", default="", help="comma-separated entry names")
@@ -574,11 +657,17 @@ def main(argv=None) -> int:
                         help="no runs: classify again the records of JSON from the probe reports in the scratch folder")
     parser.add_argument("--verify", action="store_true",
                         help="instead of the probe runs: `gpumigrate verify --to device` and `--to ddp` on each entry")
+    parser.add_argument("--sealed", action="store_true",
+                        help="only the sealed entries (bench/practice_sealed.json), reported as totals only")
+    parser.add_argument("--unsealed", action="store_true", help="leave the sealed entries out")
+    parser.add_argument("--device-only", action="store_true",
+                        help="only the `--to device` migration, run in one process: does the entry run at all, and "
+                             "does it end by itself (the step cap not reached)?")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.reclassify:
         data = json.loads(args.reclassify.read_text())
-        manifest = {e["name"]: e for e in json.loads(args.manifest.read_text())}
+        manifest = {e["name"]: e for e in load_manifests(args.manifest)}
         for rec in data["records"]:
             rec.setdefault("extra_files", manifest.get(rec["name"], {}).get("extra_files", []))
         records = [reclassify(rec) for rec in data["records"]]
@@ -598,7 +687,10 @@ def main(argv=None) -> int:
             args.gm_root.mkdir(parents=True)
             archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha], capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", str(args.gm_root)], input=archive, check=True)
-    entries = json.loads(args.manifest.read_text())
+    entries = load_manifests(args.manifest)
+    sealed = set(json.loads(SEALED.read_text())["names"]) if SEALED.exists() else set()
+    if args.sealed or args.unsealed:
+        entries = [e for e in entries if (e["name"] in sealed) == args.sealed]
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {e["name"] for e in entries}
@@ -614,6 +706,12 @@ def main(argv=None) -> int:
                                       capture_output=True, text=True).stdout.strip():
         commit += " + uncommitted edits of the work tree"
     records = []
+    if args.device_only:
+        for entry in entries:
+            rec = device_entry(entry, args, args.corpus, args.scratch)
+            print(f"{rec['name']:28} {rec['status']:10} {rec['seconds']:6.1f}s steps {rec['steps']:4}  {rec['note'][:160]}",
+                  flush=True)
+        return 0
     if args.verify:
         for entry in entries:
             rec = verify_entry(entry, args, args.corpus, args.scratch)
@@ -630,12 +728,15 @@ def main(argv=None) -> int:
     for entry in entries:
         rec = run_entry(entry, args, args.corpus, args.scratch)
         records.append(rec)
+        if args.sealed:
+            print(f"sealed entry {len(records)}/{len(entries)} done", flush=True)
+            continue
         print(f"{rec['name']:28} {rec['outcome']:14} {rec['seconds']:6.1f}s  {rec['reason'][:150]}", flush=True)
         if args.verbose and rec.get("ddp_run") and not rec["ddp_run"]["ok"]:
             print(rec["ddp_run"]["stderr_tail"][-2000:])
         if args.json:  # as it goes: a long run leaves what it has
             args.json.write_text(json.dumps({"commit": commit, "records": records}, indent=1, default=str))
-    text = markdown(records, f"gpumigrate at `{commit}`; runs with {args.python}")
+    text = markdown(records, f"gpumigrate at `{commit}`; runs with {args.python}", totals_only=args.sealed)
     print(text)
     if args.md:
         args.md.write_text(text)

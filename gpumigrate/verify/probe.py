@@ -258,6 +258,8 @@ class Extras:
         self.inputs: list = []
         self.since_step: list = []
         self.depth = 0
+        self.backwards = 0              # outermost backward() calls (gradient accumulation split per rank)
+        self.in_backward = False
 
 
 EXTRA = Extras()
@@ -334,6 +336,27 @@ def _patch_optimizers() -> None:
     torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
 
 
+def _patch_backward_count() -> None:
+    """Count the outermost backward() calls (Tensor.backward calls torch.autograd.backward)."""
+    original_method, original_function = torch.Tensor.backward, torch.autograd.backward
+
+    def counted(original):
+        def backward(*args, **kwargs):
+            if EXTRA.in_backward or not EXTRA.active:
+                return original(*args, **kwargs)
+            EXTRA.backwards += 1
+            EXTRA.in_backward = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                EXTRA.in_backward = False
+        backward.__wrapped__ = original
+        return backward
+
+    torch.Tensor.backward = counted(original_method)
+    torch.autograd.backward = counted(original_function)
+
+
 def _loaded_kind(obj) -> str:
     if isinstance(obj, nn.parallel.DistributedDataParallel):
         return "DistributedDataParallel"
@@ -404,6 +427,7 @@ def _patch_extras() -> None:
     """The instrumentation described under `optimizers`, `torch_loads`, `copies`, `pickles`
     and `forwards` in the module docstring; it records while SCRIPT runs."""
     _patch_optimizers()
+    _patch_backward_count()
     _patch_loads_and_outputs()
     if os.environ.get("GPUMIGRATE_PROBE_FORWARDS"):
         _patch_forwards()
@@ -433,7 +457,7 @@ def _describe_extras(out_dir: Path, rank: int) -> dict:
     forwards = [{"module": k[0], "module_of_class": k[1], "training": k[2], "grad_enabled": k[3], "calls": n}
                 for k, n in sorted(EXTRA.forwards.items())]
     return {"optimizers": optimizers, "torch_loads": EXTRA.loads, "copies": EXTRA.copies,
-            "pickles": EXTRA.pickles, "forwards": forwards, "inputs": EXTRA.inputs}
+            "pickles": EXTRA.pickles, "forwards": forwards, "inputs": EXTRA.inputs, "backwards": EXTRA.backwards}
 
 
 # ---------------------------------------------------------------- verify: steps, output, files, hangs

@@ -143,7 +143,18 @@ def _in_order(sampler: Any) -> bool:
     return type(sampler) is SequentialSampler or type(sampler).__name__ == "_Shard"
 
 
-def cap(steps: Optional[int], batches: Optional[int]) -> None:
+def _share(loader: Any) -> float:
+    """The part of its dataset one pass over `loader` reads (a rank's shard: 1/N; a subset)."""
+    try:
+        return min(1.0, len(loader.batch_sampler.sampler) / len(loader.dataset))
+    except Exception:  # unsized, or no batch sampler
+        return 1.0
+
+
+def cap(steps: Optional[int], batches: Optional[int], proportional: bool = False) -> None:
+    """`proportional`: a pass over a loader that reads part of its dataset (a rank's shard, a
+    subset) stops after that part of `batches` (at least one), so that a sharded run's passes
+    are as much shorter than one process's as they are uncapped."""
     from torch.utils.data import BatchSampler, DataLoader
 
     if steps is not None:
@@ -194,7 +205,7 @@ def cap(steps: Optional[int], batches: Optional[int]) -> None:
             return original_iter(self)
         if STEPS.spent:
             STEPS.stop()
-        return Capped(original_iter(self), batches)
+        return Capped(original_iter(self), max(1, math.ceil(batches * _share(self))) if proportional else batches)
 
     def __len__(self: Any) -> int:
         limit = in_order_limit(self)
@@ -202,7 +213,7 @@ def cap(steps: Optional[int], batches: Optional[int]) -> None:
             own = getattr(self.batch_sampler.sampler, "num_replicas", None) or \
                 getattr(getattr(self.batch_sampler.sampler, "indices", None), "step", 1)
             return min(original_len(self), math.ceil(limit / own / self.batch_sampler.batch_size))
-        return min(original_len(self), batches)
+        return min(original_len(self), max(1, math.ceil(batches * _share(self))) if proportional else batches)
 
     def batch_iter(self: Any) -> Any:
         limit = getattr(self, "_verify_limit", None)
