@@ -7,6 +7,7 @@ others: see averaging.py).
 """
 
 from gpumigrate.runtime.averaging import average_gradients
+from gpumigrate.runtime.batches import shard_batches
 from gpumigrate.runtime.device import accelerator_available, get_device, synchronize, tensor_type
 from gpumigrate.runtime.distributed import (
     barrier,
@@ -70,6 +71,7 @@ __all__ = [
     "reduce_sum",
     "set_epoch",
     "setup_distributed",
+    "shard_batches",
     "shard_length",
     "shard_loader",
     "shard_model",

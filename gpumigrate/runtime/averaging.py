@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpumigrate.runtime.uneven import AVERAGE, REDUCE, _collective, agree, remember_layout
+from gpumigrate.runtime.seeding import part_random_streams
+from gpumigrate.runtime.uneven import AVERAGE, REDUCE, _collective, _shadow_average, agree, remember_layout, shadow
 
 # Where DistributedDataParallel cannot be placed (an optimizer built in a helper module, double
 # backward, a functional model, a loss module with parameters, two optimizers), the ranks still
@@ -78,6 +79,8 @@ _MARK = "_gpumigrate_averaged"  # on a gradient: its _version when it was last a
 _PLAN = "_gpumigrate_plan"  # on an optimizer: its _Plan
 
 _BY_DDP: Dict[int, "weakref.ref[torch.Tensor]"] = {}  # parameters a DDP averages, by id
+_DDP_OF: Dict[int, "weakref.ref[nn.Module]"] = {}  # parameter id -> the DDP that averages it
+_FORWARDS = "_gpumigrate_forwards"  # on a DDP: how many forwards with autograd on it has run
 _BY_FSDP: Dict[int, "weakref.ref[torch.Tensor]"] = {}  # parameters shard_model sharded, by id
 _NO_GRAD: Dict[int, "weakref.ref[torch.Tensor]"] = {}  # without a gradient on any rank at their last average
 _OPTIMIZERS: Dict[int, Tuple[int, "weakref.ref[torch.optim.Optimizer]"]] = {}  # by id: (order made, ref)
@@ -109,12 +112,24 @@ def _note_wrapped(model: nn.Module) -> bool:
     global _wrapped_version
     ignored = getattr(model, "parameters_to_ignore", None) or ()
     new = False
+    if _FORWARDS not in model.__dict__:
+        model.__dict__[_FORWARDS] = 0
+        model.register_forward_pre_hook(_count_forward)
+    ref = weakref.ref(model)
     for name, param in model.module.named_parameters():
         if param.requires_grad and name not in ignored:
             new = _remember(_BY_DDP, param) or new
+            _DDP_OF[id(param)] = ref
     if new:
         _wrapped_version += 1
     return new
+
+
+def _count_forward(module: nn.Module, inputs: Any) -> None:
+    """A DDP's forward pre-hook: DDP averages in backward only after a forward through it
+    with autograd on (a model stored before it was wrapped trains around it)."""
+    if torch.is_grad_enabled():
+        module.__dict__[_FORWARDS] += 1
 
 
 def _note_sharded(model: nn.Module) -> None:
@@ -149,7 +164,7 @@ class _Plan:
     For an optimizer, also what it was made from: its param_groups list, each group's params
     list and length, held (not their ids, which a new list could reuse on one rank only)."""
 
-    __slots__ = ("params", "buffers", "ids", "flags", "wrapped", "groups", "lists", "key")
+    __slots__ = ("params", "buffers", "ids", "flags", "wrapped", "groups", "lists", "key", "by_ddp")
 
     def __init__(self, params: List[torch.Tensor], buffers: List[torch.Tensor], key: int) -> None:
         self.key = key  # the same on every rank: the optimizer's number, or -1 - the rest's size
@@ -160,6 +175,8 @@ class _Plan:
         self.wrapped = _wrapped_version
         self.groups: Any = None
         self.lists: Tuple[Tuple[Any, int], ...] = ()
+        # the parameters a DDP averages, per DDP: [DDP ref, their plan, its forwards at the last step]
+        self.by_ddp: List[List[Any]] = []
 
     def fits(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this plan is still the optimizer's (its groups and the wrapped models unchanged)."""
@@ -192,6 +209,7 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer) -> _Plan:
             params = _unwrapped(params)
         buffers = _running_stats(modules, params + sharded)  # the models of both
     plan = _Plan(params, buffers, _OPTIMIZERS[id(optimizer)][0])
+    plan.by_ddp = _ddp_groups(every, plan.key)
     plan.groups = optimizer.param_groups
     plan.lists = tuple((group["params"], len(group["params"])) for group in plan.groups)
     optimizer.__dict__[_PLAN] = plan
@@ -199,6 +217,36 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer) -> _Plan:
     if first and params:  # once: add_param_group broadcasts what is added later
         _broadcast(params)
     return plan
+
+
+def _ddp_groups(params: Sequence[torch.Tensor], key: int) -> List[List[Any]]:
+    """`_Plan.by_ddp`: the parameters among `params` that a DDP averages, grouped by DDP in
+    the optimizer's order, each with a plan keyed alike on every rank."""
+    groups: Dict[int, List[Any]] = {}
+    for param in params:
+        ref = _DDP_OF.get(id(param)) if _in(_BY_DDP, param) else None
+        ddp = ref() if ref is not None else None
+        if ddp is not None:
+            groups.setdefault(id(ddp), [ref, []])[1].append(param)
+    out = []
+    for i, (ref, members) in enumerate(groups.values()):
+        # forwards counted from the wrap: the first step finds the forward before it
+        out.append([ref, _Plan(list({id(p): p for p in members}.values()), [], -(2 ** 40) - 64 * key - i), 0])
+    return out
+
+
+def _average_unreduced(plan: _Plan, step: bool) -> None:
+    """Average the parameters of a DDP that did not average them: no forward through it with
+    autograd on since the optimizer's last step (the script trained a reference to the model
+    it held before the wrap). Decided at each step, alike on every rank. `step`: the
+    optimizer steps now, and the next check counts from here."""
+    for group in plan.by_ddp:
+        ddp = group[0]()
+        forwards = ddp.__dict__.get(_FORWARDS, 0) if ddp is not None else group[2]
+        if forwards == group[2]:
+            _average(group[1])
+        if step:
+            group[2] = forwards
 
 
 def _note_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -283,13 +331,16 @@ def _mark(params: Sequence[torch.Tensor]) -> None:
             _NO_GRAD.pop(id(param), None)
 
 
-def _average(plan: _Plan, statistics: bool = False) -> None:
+def _average(plan: _Plan, statistics: bool = False, finished: bool = False) -> None:
     """Average the plan's gradients (and statistics) across ranks unless they are averaged;
-    `statistics`: a plan of statistics only (sharded models), averaged at every call."""
+    `statistics`: a plan of statistics only (sharded models), averaged at every call.
+    `finished`: on a rank whose script has ended, in the average the running ranks agreed on
+    (uneven.py): it adds nothing, and takes the running ranks' mean as its own gradients and
+    statistics, so that its step keeps its parameters theirs."""
     params = [p for p in plan.params if p.requires_grad]
-    if not (statistics or _changed(params)) or not dist.is_initialized():
+    if not (statistics or finished or _changed(params)) or not dist.is_initialized():
         return
-    running = agree(AVERAGE, plan.key)
+    running = 1 if finished else agree(AVERAGE, plan.key)
     flats = []
     buckets: Dict[Tuple[torch.device, torch.dtype], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
     for param in params:
@@ -298,11 +349,11 @@ def _average(plan: _Plan, statistics: bool = False) -> None:
         buckets.setdefault((buffer.device, buffer.dtype), ([], []))[1].append(buffer)
     with torch.no_grad():
         for (device, dtype), (bucket, buffers) in buckets.items():
-            grads = [p.grad for p in bucket]
+            grads = [None for _ in bucket] if finished else [p.grad for p in bucket]
             have = tuple(g is not None for g in grads)
             tensors = [torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
                        for p, g in zip(bucket, grads)]
-            tensors += buffers
+            tensors += [torch.zeros_like(b) for b in buffers] if finished else buffers
             tensors.append(_flags(plan, device, dtype, have))
             flat = _flatten(tensors)
             flat.div_(running)  # a rank that has finished adds zeros (uneven.py)
@@ -315,6 +366,8 @@ def _average(plan: _Plan, statistics: bool = False) -> None:
                 if grad is None:
                     if somewhere:
                         param.grad = torch.empty_like(param).copy_(view)
+                    elif finished:
+                        param.grad = None  # no rank has one: its optimizer skips it, as theirs do
                 elif grad.is_sparse:
                     param.grad = view.to_sparse(grad.sparse_dim())
                 else:
@@ -393,7 +446,8 @@ def _plans_for(params: Sequence[torch.Tensor]) -> List[_Plan]:
         optimizers, covered = [], set()
         for _, ref in sorted(_OPTIMIZERS.values(), key=lambda entry: entry[0]):
             optimizer = ref()
-            if optimizer is not None and _optimizer_plan(optimizer).ids & ids:
+            if optimizer is not None and (_optimizer_plan(optimizer).ids & ids or any(
+                    group[1].ids & ids for group in optimizer.__dict__[_PLAN].by_ddp)):
                 optimizers.append(optimizer)
                 covered |= optimizer.__dict__[_PLAN].ids
         rest = _unwrapped(p for p in params if id(p) not in covered)
@@ -427,13 +481,40 @@ def average_gradients(target: Union[torch.optim.Optimizer, torch.Tensor, Iterabl
 
 # ----------------------------------------------------------------------- hooks and wrappers
 
+_shadowing = False  # a finished rank steps with the others' mean: no averaging of its own
+
+
+@shadow(AVERAGE)
+def _shadow_step(key: int) -> None:
+    """A rank whose script has ended, in the running ranks' average of optimizer #`key`: it
+    takes their mean gradients (and BatchNorm statistics) and steps its own optimizer with
+    them, so every rank ends with the same parameters however many steps each took. An
+    optimizer gone with its script's objects only adds zeros."""
+    global _shadowing
+    optimizer = next((ref() for number, ref in _OPTIMIZERS.values() if number == key), None)
+    if optimizer is None:
+        _shadow_average(key)
+        return
+    _average(_optimizer_plan(optimizer), finished=True)
+    _shadowing = True
+    try:
+        optimizer.step()
+    finally:
+        _shadowing = False
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """The global optimizer step pre-hook (`args` starts with the optimizer)."""
+    if _shadowing:
+        return None
+    part_random_streams()  # once: a script whose training loop shard_batches did not mark
     plan = _optimizer_plan(optimizer)
+    if plan.by_ddp:
+        _average_unreduced(plan, step=True)
     if not plan.params:
         if plan.buffers:  # a model shard_model sharded: FSDP averaged the gradients, not the statistics
             _average(plan, statistics=True)
-        return None  # everything it trains is DDP's (or FSDP's): the common case costs the cache check
+        return None  # everything it trains is DDP's (or FSDP's): the common case costs a few checks
     _average(plan)
     closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
     if closure is None:
@@ -469,7 +550,11 @@ def _averaging_clip(clip: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(clip)
     def clip_averaged(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        plans = [plan for plan in _plans_for(params) if plan.params]
+        every = _plans_for(params)
+        for plan in every:
+            if plan.by_ddp:
+                _average_unreduced(plan, step=False)
+        plans = [plan for plan in every if plan.params]
         for plan in plans:
             _average(plan)
         dtensors = [p for p in params if _is_dtensor(p)]
@@ -481,6 +566,9 @@ def _averaging_clip(clip: Callable[..., Any]) -> Callable[..., Any]:
             result = result.full_tensor()
         for plan in plans:  # clipped alike on every rank: still averaged
             _mark([p for p in plan.params if p.requires_grad])
+        for plan in every:
+            for group in plan.by_ddp:
+                _mark([p for p in group[1].params if p.requires_grad])
         return result
 
     return clip_averaged
@@ -522,6 +610,8 @@ def _averaging_unscale(unscale: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(unscale)
     def _unscale_grads_(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         plan = _optimizer_plan(optimizer)
+        if plan.by_ddp:
+            _average_unreduced(plan, step=False)
         if plan.params:
             _average(plan)  # before the inf/nan check: every rank finds the same and skips alike
         result = unscale(self, optimizer, *args, **kwargs)

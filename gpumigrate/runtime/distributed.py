@@ -701,29 +701,35 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True, shard: bool = 
     """
     if not shard or not is_distributed() or loader is None:  # None: a loader the script did not make
         return loader
+    return _cached_shard(loader, seed, pad, False)
+
+
+def _cached_shard(loader: Any, seed: int, pad: bool, full_batches: bool) -> Any:
+    """The loader rebuilt for this rank, once per (loader, options)."""
+    key = (seed, pad, full_batches)
     try:
-        return _SHARDED[loader][(seed, pad)]
+        return _SHARDED[loader][key]
     except (KeyError, TypeError):
         pass
-    sharded = _shard_loader(loader, seed, pad)
+    sharded = _shard_loader(loader, seed, pad, full_batches)
     try:
-        _SHARDED.setdefault(loader, {})[(seed, pad)] = sharded
+        _SHARDED.setdefault(loader, {})[key] = sharded
     except TypeError:  # not weakly referable: rebuilt at each call
         pass
     return sharded
 
 
-_SHARDED: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, bool], Any]]" = weakref.WeakKeyDictionary()
+_SHARDED: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, bool, bool], Any]]" = weakref.WeakKeyDictionary()
 
 
-def _shard_loader(loader: Any, seed: int, pad: bool) -> Any:
+def _shard_loader(loader: Any, seed: int, pad: bool, full_batches: bool = False, quiet: bool = False) -> Any:
     batches = getattr(loader, "batch_sampler", None)
     sampler = batches.sampler if type(batches) is BatchSampler else getattr(loader, "sampler", None)
     if isinstance(sampler, (DistributedSampler, _Shard)):
         return loader
     why = _why_not_sharded(loader, batches, sampler)
     if why:
-        if is_main_process():
+        if is_main_process() and not quiet:
             warnings.warn(f"gpumigrate.runtime: shard_loader: {why}; every rank reads all of it", RuntimeWarning,
                           stacklevel=3)
         return loader
@@ -740,6 +746,8 @@ def _shard_loader(loader: Any, seed: int, pad: bool) -> Any:
     else:
         sampler = _Shard(dataset, get_rank(), get_world_size())
     batch_size, drop_last = (batches.batch_size, batches.drop_last) if batches is not None else (None, False)
+    if full_batches and batch_size and len(sampler) >= batch_size:  # type: ignore[arg-type]
+        drop_last = True  # this rank's last partial batch: every rank has as many, none a shape the loop lacks
     options = {}
     for name in ("pin_memory_device", "in_order"):  # keyword-only, in newer torch
         if hasattr(loader, name):

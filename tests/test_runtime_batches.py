@@ -1,0 +1,196 @@
+"""`shard_batches` (gpumigrate/runtime/batches.py), the ranks' random streams parted at the first
+training loop (seeding.py), a finished rank stepping with the others (averaging.py), and a
+model trained around its DDP wrapper: one `torchrun --standalone --nproc_per_node=2` (gloo) for
+every scenario, each rank's records compared with what one process computes."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.test_runtime import torchrun
+
+RUNNER = """\
+import os, random, sys, threading
+import numpy
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
+from tqdm import tqdm
+from gpumigrate.runtime import cleanup_distributed, get_rank, setup_distributed, shard_batches, wrap_model
+from tests.test_runtime_batches import batch, flat, model
+
+threading.Thread(target=lambda: (threading.Event().wait(120), os._exit(3)), daemon=True).start()
+setup_distributed()
+rank = get_rank()
+torch.manual_seed(0); random.seed(0); numpy.random.seed(0)
+before = (torch.rand(1).item(), random.random(), float(numpy.random.rand()))
+rec = {"before": torch.tensor(before)}
+ds = TensorDataset(torch.arange(22).float())
+
+def values(it):
+    return [b[0].tolist() if isinstance(b, (list, tuple)) else b.tolist() if torch.is_tensor(b) else b for b in it]
+
+shuffled = DataLoader(ds, batch_size=4, shuffle=True)
+for epoch in range(2):
+    rec[f"shuffled{epoch}"] = values(shard_batches(shuffled))
+rec["after"] = torch.tensor((torch.rand(1).item(), random.random(), float(numpy.random.rand())))
+rec["shuffled_len"] = len(shard_batches(shuffled))
+rec["range"] = list(shard_batches(range(3, 13)))
+rec["range_len"] = len(shard_batches(range(3, 13)))
+rec["list"] = list(shard_batches(list("abcdefg")))
+rec["generator"] = list(shard_batches(x * x for x in range(7)))
+
+class Buckets(BatchSampler):  # a batch sampler of the project's own: its batches dealt out
+    pass
+
+rec["batch_sampler"] = values(shard_batches(DataLoader(ds, batch_sampler=Buckets(SequentialSampler(ds), 5, False))))
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(9))
+
+rec["iterable"] = values(shard_batches(DataLoader(Stream(), batch_size=2)))
+rec["tqdm_inside"] = list(tqdm(shard_batches(range(9)), disable=True))
+bar = tqdm(DataLoader(ds, batch_size=4), disable=True)
+rec["tqdm_outside"] = values(shard_batches(bar))
+rec["tqdm_total"] = bar.total
+
+# a model stored before the wrap and trained through that reference: DDP never runs
+class Holder:
+    def __init__(self, m):
+        self.model = m
+
+inner = model(11 + rank)
+holder = Holder(inner)
+wrapped = wrap_model(inner)
+sgd = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+for k in range(3):
+    sgd.zero_grad()
+    holder.model(batch(rank, 10 + k)).pow(2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5)
+    sgd.step()
+rec["holder"] = flat(inner)
+
+# uneven steps, last: rank 1 takes three more; rank 0, finished, steps with it (the same parameters)
+net = model(5 + rank)
+opt = torch.optim.Adam(net.parameters(), lr=0.01)
+for k in range(3 + (3 if rank == 1 else 0)):
+    opt.zero_grad()
+    net(batch(rank, k)).pow(2).mean().backward()
+    opt.step()
+
+cleanup_distributed()  # rank 0, finished, takes part in rank 1's last steps here
+rec["uneven"] = flat(net)
+torch.save(rec, os.path.join(sys.argv[1], "rank{}.pt".format(rank)))
+"""
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{step}".encode()))
+    return torch.randn(4, 6, generator=g)
+
+
+def model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def flat(m: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
+
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ddp]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batches")
+    script = folder / "batches.py"
+    script.write_text(RUNNER)
+    code, _, stderr = torchrun(script, str(folder))
+    assert code == 0, stderr[-4000:]
+    return [torch.load(folder / f"rank{r}.pt") for r in range(2)]
+
+
+def test_a_shuffled_loader_is_split_with_a_new_order_each_pass_and_full_batches_only(ranks):
+    orders = []
+    for epoch in range(2):
+        a, b = (sum(r[f"shuffled{epoch}"], []) for r in ranks)
+        # 22 samples: 11 per rank, two full batches of 4 each; the partial third is left out
+        assert [len(x) for x in ranks[0][f"shuffled{epoch}"]] == [4, 4] == [len(x) for x in ranks[1][f"shuffled{epoch}"]]
+        assert not set(a) & set(b), "the ranks drew the same samples"
+        orders.append(a + b)
+    assert orders[0] != orders[1], "the same order in both passes (no set_epoch needed, none called)"
+    assert ranks[0]["shuffled_len"] == 2
+
+
+def test_a_counting_range_takes_every_world_size_th_value_and_the_last_on_every_rank(ranks):
+    assert ranks[0]["range"] == ranks[1]["range"] == [3, 5, 7, 9, 11, 12]
+    assert ranks[0]["range_len"] == 6
+    assert ranks[0]["tqdm_inside"] == [0, 2, 4, 6, 8]
+
+
+def test_other_iterables_are_dealt_out_round_robin_in_equal_numbers(ranks):
+    assert (ranks[0]["list"], ranks[1]["list"]) == (["a", "c", "e"], ["b", "d", "f"])
+    assert (ranks[0]["generator"], ranks[1]["generator"]) == ([0, 4, 16], [1, 9, 25])
+    # five batches of five from the project's batch sampler: two each, the fifth left out
+    assert ranks[0]["batch_sampler"] == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]
+    assert ranks[1]["batch_sampler"] == [[5, 6, 7, 8, 9], [15, 16, 17, 18, 19]]
+    assert (ranks[0]["iterable"], ranks[1]["iterable"]) == ([[0, 1], [4, 5]], [[2, 3], [6, 7]])
+
+
+def test_a_progress_bar_around_the_loader_is_sharded_inside(ranks):
+    # in order: a DistributedSampler's every other sample; 11 per rank, the partial third batch left out
+    assert ranks[0]["tqdm_outside"] == [[0, 2, 4, 6], [8, 10, 12, 14]]
+    assert ranks[1]["tqdm_outside"] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+    assert ranks[0]["tqdm_total"] == 2
+
+
+def test_random_streams_part_at_the_first_training_loop_and_repeat_for_a_seed(ranks):
+    assert torch.equal(ranks[0]["before"], ranks[1]["before"]), "seeded alike, the ranks drew alike before"
+    assert (ranks[0]["after"] != ranks[1]["after"]).all(), "torch, random and numpy must each part"
+    # Python's stream, recomputed: seeded 0, one draw before; then one draw plus the rank (seeding.py)
+    import random
+
+    for rank in range(2):
+        state = random.Random(0)
+        state.random()
+        seed = (state.getrandbits(62) + 0x9E3779B97F4A7C15 * (rank + 1)) % (2 ** 63)
+        assert float(ranks[rank]["after"][1]) == pytest.approx(random.Random(seed).random(), rel=1e-6)
+
+
+def test_a_rank_that_finished_first_steps_with_the_others_to_the_same_parameters(ranks):
+    assert torch.equal(ranks[0]["uneven"], ranks[1]["uneven"])
+    # and the parameters moved for the extra steps: not rank 0's after its own three
+    reference = model(5)
+    opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for k in range(3):
+        opt.zero_grad()
+        (reference(batch(0, k)).pow(2).mean() / 2 + reference(batch(1, k)).pow(2).mean() / 2).backward()
+        opt.step()
+    assert not torch.allclose(flat(reference), ranks[0]["uneven"])
+
+
+def test_a_model_trained_around_its_ddp_wrapper_is_averaged_at_the_step(ranks):
+    assert torch.equal(ranks[0]["holder"], ranks[1]["holder"])
+    reference = model(11)  # rank 0's weights, the mean gradient of both ranks' batches, clipped
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for k in range(3):
+        sgd.zero_grad()
+        (reference(batch(0, 10 + k)).pow(2).mean() / 2 + reference(batch(1, 10 + k)).pow(2).mean() / 2).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        sgd.step()
+    torch.testing.assert_close(ranks[0]["holder"], flat(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_in_one_process_shard_batches_is_the_iterable_itself():
+    from gpumigrate.runtime import shard_batches
+
+    things = [range(5), [1, 2], iter([3])]
+    for thing in things:
+        assert shard_batches(thing) is thing
