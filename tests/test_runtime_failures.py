@@ -244,6 +244,7 @@ def test_only_the_exception_that_ends_the_script_is_announced(monkeypatch, rt):
 
     class Watch:
         pid = os.getpid()
+        stalled = None  # no verdict that the ranks wait in collectives that do not match
 
         def fail(self, exc_type, exc):
             failed.append(exc)

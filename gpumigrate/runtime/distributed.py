@@ -32,6 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, _collective_device, agree, finish, shadow
 from gpumigrate.runtime.averaging import _install_averaging, _note_wrapped, _uninstall_averaging
 from gpumigrate.runtime.device import get_device
+from gpumigrate.runtime.stalls import watch_stalls
 
 
 class _Launch(NamedTuple):
@@ -90,7 +91,11 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
 
     A rank that fails never leaves the others waiting for it: when its script raises, the
     other ranks stop within seconds, and it exits within `GPUMIGRATE_DIST_TIMEOUT` seconds
-    (default 60) even if threads of its own would keep it alive (see `_Watch`).
+    (default 60) even if threads of its own would keep it alive (see `_Watch`). Ranks that
+    all wait in collectives that never match (a barrier one rank skipped, a step one rank
+    took more) end too: once every rank has waited that long in a torch call without
+    computing, at places not all the same, each prints one line naming where every rank
+    waits (script line and call) and exits with status 1 (Linux; see stalls.py).
 
     Models not given to `wrap_model` still train as one (`average_unwrapped`, see
     gpumigrate/runtime/averaging.py): every optimizer's parameters start from rank 0's values,
@@ -244,6 +249,13 @@ def _settle_gloo_threads(interval: float = 0.012, timeout: float = 2.0) -> None:
 # - cleanup_distributed has the watchdog thread leave the group and waits for it at most
 #   GPUMIGRATE_DIST_TIMEOUT seconds (the thread exists from the start: Python >= 3.12 refuses to
 #   start threads at exit).
+# - Ranks that are all alive but wait in collectives that never match (rank 0 skipped a barrier
+#   that rank 1 waits in) hang as long. The same look, while no failure is announced, asks
+#   stalls.py whether every rank's main thread has been stalled in torch for
+#   GPUMIGRATE_DIST_TIMEOUT seconds at places that differ (a rank writes to the store only once
+#   it has been stalled nearly that long). If so, that verdict is posted where a failure would
+#   be, and every rank prints where each waits and ends itself once all have printed (waiting
+#   at most _RELEASE_WAIT seconds for that).
 # The store lives in rank 0's process under srun (in torchrun's agent under torchrun). Once it
 # is gone, a call fails (torch prints a C++ stack trace for it), so a rank that finds it gone
 # stops watching, nothing else; and rank 0 announces its own end too and waits, at most
@@ -253,6 +265,7 @@ _TIMEOUT_VARIABLE = "GPUMIGRATE_DIST_TIMEOUT"
 _WATCH_INTERVAL = 1.0  # seconds between two looks at the store
 _OWN_ERROR_GRACE = 2.0  # gloo raised 0.3 s after a failed peer's exception in our runs
 _RELEASE_WAIT = 2.5
+_STALLED = "stalled"  # in place of a rank in the ended key: the ranks wait in collectives that do not match
 
 
 def _dist_timeout() -> float:
@@ -279,11 +292,15 @@ class _Watch:
         self.pid = os.getpid()
         # torchrun's agent keeps its store across restarts (--max-restarts): keys per attempt
         prefix = f"gpumigrate/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self.ended_key = prefix + "ended"  # "<rank>\t<exception>" of the first failure, or "0\t": rank 0 ended
+        # "<rank>\t<exception>" of the first failure, "0\t": rank 0 ended, or "stalled\t<where each rank waits>"
+        self.ended_key = prefix + "ended"
         self.released_key = prefix + "released"  # how many ranks other than 0 are done with the store
+        self.stopped_key = prefix + "stopped"  # how many ranks have said where the ranks wait
         self.failed = False  # this rank's main thread raised
         self.released = store is None  # this rank no longer uses the store
         self.peer_failure: Optional[Tuple[str, str, float]] = None  # (rank, exception, seen at)
+        self.stalls = watch_stalls(rank, world_size, timeout, prefix) if store is not None else None
+        self.stalled: Optional[str] = None  # where each rank waits, when none can go on
         self.leaving = threading.Event()
         self.error: Optional[Exception] = None  # what destroy_process_group raised
         self.thread = threading.Thread(target=self._run, name="gpumigrate-watchdog", daemon=True)
@@ -295,6 +312,8 @@ class _Watch:
                 continue  # this rank failed: the timer `fail` started bounds its exit
             if watching:
                 watching = self._look()
+            if self.stalled is not None:
+                self._stop_stalled()
             if self.peer_failure is not None and threading.main_thread().is_alive():
                 rank, what, seen = self.peer_failure
                 if time.monotonic() - seen >= _OWN_ERROR_GRACE:
@@ -307,9 +326,18 @@ class _Watch:
             self.released = True
             return False
         try:
-            if not self.store.check([self.ended_key]):
-                return True
-            rank, _, what = self.store.get(self.ended_key).decode("utf-8", "replace").partition("\t")
+            if self.store.check([self.ended_key]):
+                ended = self.store.get(self.ended_key)
+            else:
+                stalled = self.stalls.look(self.store) if self.stalls is not None else None
+                if stalled is None:
+                    return True
+                # the first post wins (a failure announced meanwhile, another rank's verdict)
+                ended = self.store.compare_set(self.ended_key, "", f"{_STALLED}\t{stalled}")
+            rank, _, what = ended.decode("utf-8", "replace").partition("\t")
+            if rank == _STALLED:
+                self.stalled = what
+                return False  # the store is still needed: see _stop_stalled
             if self.rank != 0:
                 self.store.add(self.released_key, 1)  # rank 0 may leave now
         except Exception:  # the store has gone with its host: stop watching, stop no one
@@ -319,6 +347,23 @@ class _Watch:
                 self.peer_failure = (rank, what, time.monotonic())
         self.released = True
         return False
+
+    def _stop_stalled(self) -> None:
+        """The ranks wait in collectives that do not match: say where, and end this process once
+        every rank has said it (under torchrun the first exit ends the others; under srun rank 0's
+        takes the store), waiting at most _RELEASE_WAIT seconds."""
+        _say(f"the ranks wait in collectives that do not match: {self.stalled}; stopping rank {self.rank}")
+        try:
+            until = time.monotonic() + _RELEASE_WAIT
+            said = self.store.add(self.stopped_key, 1)
+            while said < self.world_size and time.monotonic() < until:
+                time.sleep(0.05)
+                said = self.store.add(self.stopped_key, 0)
+            if self.rank == 0:
+                time.sleep(0.1)  # the others' last look at the store it may hold
+        except Exception:  # the store has gone: the others have said it
+            pass
+        os._exit(1)
 
     def fail(self, exc_type: Type[BaseException], exc: BaseException) -> None:
         """The main thread raised `exc`: announce it, and end the process if its exit hangs."""
@@ -409,6 +454,12 @@ def _watch_store() -> Any:
 def _excepthook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
     """sys.excepthook in a group: the previous hook prints the traceback, then the failure is
     announced (see _Watch)."""
+    watch = _watch
+    if watch is not None and watch.stalled is not None and os.getpid() == watch.pid:
+        # Another rank that said where the ranks wait has ended, and so this rank's collective
+        # raised ("Connection closed by peer"): its own watchdog ends it in a moment, and the
+        # traceback would only bury the line that says why.
+        watch.thread.join(_RELEASE_WAIT + 1)
     try:
         (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
     finally:
@@ -433,6 +484,12 @@ def _one_line(exc_type: Type[BaseException], exc: BaseException) -> str:
 def _exit_now(message: str) -> None:
     """End the process at once with status 1 (no exit handlers, no waiting for threads), after
     one line on stderr saying why."""
+    _say(message)
+    os._exit(1)
+
+
+def _say(message: str) -> None:
+    """One line on stderr, after what the script printed."""
     try:
         sys.stdout.flush()  # what the script printed comes first
     except Exception:  # closed, or None
@@ -441,7 +498,6 @@ def _exit_now(message: str) -> None:
         print(f"gpumigrate.runtime: {message}", file=sys.stderr, flush=True)
     except Exception:
         pass
-    os._exit(1)
 
 
 def get_rank() -> int:
