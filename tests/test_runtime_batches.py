@@ -42,6 +42,9 @@ rec["after"] = torch.tensor((torch.rand(1).item(), random.random(), float(numpy.
 rec["shuffled_len"] = len(shard_batches(shuffled))
 rec["range"] = list(shard_batches(range(3, 13)))
 rec["range_len"] = len(shard_batches(range(3, 13)))
+for it in shard_batches(range(4)):  # a checkpoint holding a step loads with weights_only=True
+    torch.save({"iteration": it, "hist": [it]}, os.path.join(sys.argv[1], "step{}.pt".format(rank)))
+rec["indices"] = list(shard_batches(range(0, 23, 4), indices=True))
 rec["list"] = list(shard_batches(list("abcdefg")))
 rec["generator"] = list(shard_batches(x * x for x in range(7)))
 
@@ -114,7 +117,9 @@ def ranks(tmp_path_factory):
     script.write_text(RUNNER)
     code, _, stderr = torchrun(script, str(folder))
     assert code == 0, stderr[-4000:]
-    return [torch.load(folder / f"rank{r}.pt") for r in range(2)]
+    out = [torch.load(folder / f"rank{r}.pt") for r in range(2)]
+    out[0]["_folder"] = folder
+    return out
 
 
 def test_a_shuffled_loader_is_split_with_a_new_order_each_pass_and_full_batches_only(ranks):
@@ -133,6 +138,16 @@ def test_a_counting_range_takes_every_world_size_th_value_and_the_last_on_every_
     assert ranks[0]["range"] == ranks[1]["range"] == [3, 5, 7, 9, 11, 12]
     assert ranks[0]["range_len"] == 6
     assert ranks[0]["tqdm_inside"] == [0, 2, 4, 6, 8]
+
+
+def test_a_checkpoint_that_holds_a_step_holds_a_plain_number(ranks, tmp_path_factory):
+    saved = [torch.load(ranks[0]["_folder"] / f"step{r}.pt", weights_only=True) for r in range(2)]
+    assert saved[0] == saved[1] == {"iteration": 3, "hist": [3]}
+    assert type(saved[0]["iteration"]) is int
+
+
+def test_a_range_that_indexes_the_data_is_dealt_out_in_contiguous_blocks(ranks):
+    assert (ranks[0]["indices"], ranks[1]["indices"]) == ([0, 4, 8], [12, 16, 20])
 
 
 def test_other_iterables_are_dealt_out_round_robin_in_equal_numbers(ranks):
@@ -194,3 +209,27 @@ def test_in_one_process_shard_batches_is_the_iterable_itself():
     things = [range(5), [1, 2], iter([3])]
     for thing in things:
         assert shard_batches(thing) is thing
+
+
+def test_a_strided_step_keeps_the_scripts_schedule_cadence_and_exact_steps():
+    """`_Step`: the value is the script's step (progress), `%` counts this rank's steps
+    (cadence, whatever the offset), `==` finds the script's step among those a value stands for."""
+    import json
+    import pickle
+
+    from gpumigrate.runtime.batches import _counter
+
+    steps = _counter(range(0, 40), 2)
+    assert [int(s) for s in steps] == [*range(0, 40, 2), 39]
+    assert [int(s) for s in steps if s % 10 == 9] == [18, 38]  # every 10th of this rank's steps
+    assert [int(s) for s in steps if (s + 1) % 10 == 0] == [18, 38]
+    assert [int(s) for s in steps if s % 2 == 0] == [int(s) for s in steps[0::2]]  # alternation per own step
+    assert [int(s) for s in steps if s == 39] == [39] and [int(s) for s in steps if s == 7] == [6]
+    assert [int(s) for s in steps if s in (10, 11)] == [10]
+    assert sum(1 for s in steps if s != 0) == len(steps) - 1
+    assert steps[3] / 40 == 0.15 and steps[3] < 7 and steps[3] * 2 == 12 and list(range(9))[steps[2]] == 4
+    restored = pickle.loads(pickle.dumps(steps[3]))
+    assert restored == 6 and type(restored) is int  # a checkpoint holding a step needs no gpumigrate
+    assert json.dumps({"it": steps[3]}) == '{"it": 6}' and f"{steps[3]:3d}" == "  6" and str(steps[3] + 1) == "7"
+    down = _counter(range(10, 0, -1), 2)
+    assert [int(s) for s in down] == [10, 8, 6, 4, 2, 1] and [int(s) for s in down if s == 9] == [10]

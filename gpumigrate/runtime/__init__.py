@@ -8,7 +8,8 @@ others: see averaging.py).
 
 from gpumigrate.runtime.averaging import average_gradients
 from gpumigrate.runtime.batches import shard_batches
-from gpumigrate.runtime.device import accelerator_available, get_device, synchronize, tensor_type
+from gpumigrate.runtime.device import (accelerator_available, distributed_backend, get_device, get_local_rank,
+                                       synchronize, tensor_type)
 from gpumigrate.runtime.distributed import (
     barrier,
     broadcast_object,
@@ -53,11 +54,13 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "cleanup_distributed",
+    "distributed_backend",
     "distributed_sampler",
     "full_model",
     "full_optimizer_state_dict",
     "full_state_dict",
     "get_device",
+    "get_local_rank",
     "get_rank",
     "get_world_size",
     "grad_scaler",

@@ -21,9 +21,10 @@ from torch.utils.data.distributed import DistributedSampler
 from gpumigrate.runtime.distributed import (_Shard, _cached_shard, _why_not_sharded, get_rank, get_world_size,
                                             is_distributed)
 from gpumigrate.runtime.seeding import part_random_streams
+from gpumigrate.runtime.uneven import finish
 
 
-def shard_batches(iterable: Any, *, seed: int = 0) -> Any:
+def shard_batches(iterable: Any, *, indices: bool = False, seed: int = 0) -> Any:
     """This rank's part of what a training loop iterates; in one process, `iterable` itself.
 
     - A DataLoader: rebuilt for the rank as `shard_loader` rebuilds it (shuffle, drop_last,
@@ -34,10 +35,16 @@ def shard_batches(iterable: Any, *, seed: int = 0) -> Any:
       indices one by one) gets its batches dealt out round-robin before they are loaded; an
       IterableDataset or a DataLoader subclass has its batches dealt out as they come.
     - `range(...)`, a loop that counts steps around data made inside it (random draws, a
-      generator, an environment's episodes): every rank takes every WORLD_SIZE-th value, the
-      same values on every rank (so a test on the counter, `it % 100 == 0`, goes the same way
-      everywhere), and the last value too: the counter still runs from the first to the last
-      step of the schedule, in steps of WORLD_SIZE.
+      generator, an environment's episodes): every rank takes every WORLD_SIZE-th value and
+      the last, the same values on every rank (so every test on the counter goes the same way
+      everywhere). Each value is the script's own step number, so schedules computed from it
+      run as they did; `it % k` counts this rank's steps and `it == n` holds at the step that
+      stands for the script's step n (see `_Step`): `if (it + 1) % 100 == 0:` and `if it ==
+      n_iters - 1:` still fire.
+    - `range(...)` with `indices=True`, a range whose values index the data (`x[i:i + bs]`,
+      `get_batch(data, i)`): each rank takes its own contiguous block of the values (batches
+      that follow each other, as a hidden state carried from one to the next expects, stay
+      together); the values after the last full block are left out.
     - Anything else (a list of batches, a generator): items dealt out round-robin, rank r
       taking items r, r + N, ...; the items after the last full round are left out, so every
       rank takes the same number.
@@ -49,37 +56,38 @@ def shard_batches(iterable: Any, *, seed: int = 0) -> Any:
     """
     if not is_distributed():
         return iterable
-    return _Batches(iterable, seed)
+    return _Batches(iterable, seed, indices)
 
 
 class _Batches:
     """What `shard_batches` returns under torchrun: iterable again at each pass (an epoch loop
     around it starts a new pass, as over a DataLoader)."""
 
-    def __init__(self, iterable: Any, seed: int) -> None:
-        self.iterable, self.seed = iterable, seed
+    def __init__(self, iterable: Any, seed: int, indices: bool = False) -> None:
+        self.iterable, self.seed, self.indices = iterable, seed, indices
         self.rank, self.world = get_rank(), get_world_size()
 
     def __iter__(self) -> Iterator[Any]:
         part_random_streams()
         bar = _progress_bar(self.iterable)
         if bar is not None:
-            inner = bar.iterable if isinstance(bar.iterable, _Batches) else _Batches(bar.iterable, self.seed)
+            inner = bar.iterable if isinstance(bar.iterable, _Batches) else _Batches(bar.iterable, self.seed,
+                                                                                     self.indices)
             bar.iterable = inner
             try:
                 bar.total = len(inner)
             except TypeError:
                 pass
             return iter(bar)
-        return self._items()
+        return _joined(self._items())
 
     def __len__(self) -> int:
         source = self.iterable
         bar = _progress_bar(source)
         if bar is not None:
-            return len(_Batches(bar.iterable, self.seed))
+            return len(_Batches(bar.iterable, self.seed, self.indices))
         if isinstance(source, range):
-            return len(_counter(source, self.world))
+            return len(source) // self.world if self.indices else len(_counter(source, self.world))
         if isinstance(source, DataLoader):
             return len(self._loader())
         return len(source) // self.world  # TypeError where unsized, as len() of the iterable
@@ -102,6 +110,9 @@ class _Batches:
 
     def _items(self) -> Iterator[Any]:
         source = self.iterable
+        if isinstance(source, range) and self.indices:
+            share = len(source) // self.world
+            return iter(source[self.rank * share:(self.rank + 1) * share])
         if isinstance(source, range):
             return iter(_counter(source, self.world))
         if isinstance(source, DataLoader):
@@ -112,15 +123,129 @@ class _Batches:
         return iter(_Dealt(source, self.rank, self.world))
 
 
+_saving: Optional[Any] = None  # torch.save as it was before _save_steps_as_numbers
+
+
+def _save_steps_as_numbers() -> None:
+    """`torch.save({"iteration": it, ...})` writes a plain int: a `_Step` pickles by calling
+    `int`, which `torch.load(weights_only=True)` (torch's default since 2.6) refuses, so a
+    checkpoint would not load where gpumigrate is not installed. Once, where a counting loop
+    is sharded (under torchrun only: in one process the loop's values are plain ints)."""
+    global _saving
+    if _saving is not None:
+        return
+    _saving = original = torch.save
+
+    def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(_numbers(obj), *args, **kwargs)
+
+    save.__wrapped__ = original  # type: ignore[attr-defined]
+    save.__doc__ = original.__doc__
+    torch.save = save
+
+
+def _numbers(obj: Any, depth: int = 0) -> Any:
+    """`obj` with every `_Step` in its dicts, lists and tuples a plain int (the same object
+    where there is none: a state dict is not copied)."""
+    if isinstance(obj, _Step):
+        return int(obj)
+    if depth > 4:
+        return obj
+    if isinstance(obj, dict):
+        items = {k: _numbers(v, depth + 1) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        copy = obj.copy()
+        copy.update(items)
+        return copy
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        items = [_numbers(v, depth + 1) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    return obj
+
+
+def _joined(items: Iterator[Any]) -> Iterator[Any]:
+    """The items, then the end of the loop as a meeting point: every rank took as many items,
+    but not always as many optimizer steps (an environment's episodes differ in length); a
+    rank that ends its pass first takes part in the others' steps, stepping with their mean,
+    until every rank has ended it (uneven.py's protocol, as at exit). Every rank then leaves
+    the loop with the same parameters, before what follows it (a checkpoint, an evaluation)."""
+    yield from items
+    finish()
+
+
 _DEALT: "weakref.WeakKeyDictionary[DataLoader, DataLoader]" = weakref.WeakKeyDictionary()
 
 
 def _counter(steps: range, world: int) -> List[int]:
-    """Every `world`-th value of `steps` from the first, and the last one."""
+    """Every `world`-th value of `steps` from the first, and the last one, as `_Step`s."""
     values = list(steps[::world])
     if len(steps) and values[-1] != steps[-1]:
         values.append(steps[-1])
-    return values
+    # each value stands for the script's steps up to the next one (the last, for itself)
+    widths = [b - a for a, b in zip(values, values[1:])] + [1 if steps.step > 0 else -1]
+    _save_steps_as_numbers()
+    return [_Step(v, k, w) for k, (v, w) in enumerate(zip(values, widths))]
+
+
+class _Step(int):
+    """One value of a counting range that `shard_batches` strided: the script's own step number
+    (every WORLD_SIZE-th: the same on every rank), so progress computed from it (`it / n_iters`,
+    `t < start_timesteps`, an lr drop at step 30000) keeps the script's schedule. Each one
+    stands for the WORLD_SIZE steps the ranks take together, so:
+
+    - `it % k` counts this rank's own steps (`(it + 1) % log_every == 0`, `it % n_critic == 0`,
+      a target network copied every 10 episodes: as often per step this rank takes as the
+      script did per step, whatever the offset);
+    - `it == n` holds where the script's step `n` is among the steps this one stands for (the
+      last step, an lr drop, `if it in lr_steps`);
+    - everything else (arithmetic, comparisons, indexing, printing, pickling, JSON) is the
+      plain number. `it + c` and `it - c` stay steps.
+    """
+
+    def __new__(cls, value: int, local: int, width: int) -> "_Step":
+        step = int.__new__(cls, value)
+        step.local, step.width = local, width
+        return step
+
+    def __add__(self, other: Any) -> Any:
+        if type(other) is int:
+            return _Step(int(self) + other, self.local + other, self.width)
+        return int(self) + other
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> Any:
+        if type(other) is int:
+            return _Step(int(self) - other, self.local - other, self.width)
+        return int(self) - other
+
+    def __mod__(self, other: Any) -> Any:
+        if type(other) is int and other > 0:
+            return self.local % other
+        return int(self) % other
+
+    def __eq__(self, other: Any) -> bool:
+        if type(other) is int:  # the script's step `other` is among those this one stands for
+            low, high = sorted((int(self), int(self) + self.width))
+            return low <= other < high if self.width > 0 else low < other <= high
+        return int(self) == other
+
+    def __ne__(self, other: Any) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = int.__hash__
+
+    def __reduce__(self) -> Any:  # pickled (copied) as a plain int
+        return (int, (int(self),))
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return int(self).__format__(spec)
 
 
 class _Dealt:

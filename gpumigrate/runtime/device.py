@@ -99,6 +99,31 @@ def get_device(index: Union[int, torch.device, str, None] = None) -> torch.devic
     return torch.device(kind, index % max(count, 1))
 
 
+def get_local_rank() -> int:
+    """This process's index among the processes of its machine: torchrun's LOCAL_RANK (srun's
+    SLURM_LOCALID in a step of several tasks), 0 in one process. What a worker that
+    `mp.spawn` started was given, so that the same worker runs under torchrun."""
+    env = os.environ
+    if "LOCAL_RANK" in env:
+        return int(env["LOCAL_RANK"])
+    if "SLURM_LOCALID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        return int(env["SLURM_LOCALID"])
+    return 0
+
+
+def distributed_backend() -> str:
+    """The `init_process_group` backend for this machine, in place of a hard-coded "nccl":
+    NCCL for CUDA tensors and gloo for CPU ones where there is a GPU the group can use, the
+    device's own backend beside gloo on XPU and the like, gloo alone elsewhere (a laptop, a
+    Mac, a CPU runner)."""
+    device = get_device()
+    if device.type == "cpu":
+        return "gloo"
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return f"cpu:gloo,{device.type}:{torch.distributed.get_default_backend_for_device(device)}"
+
+
 def synchronize(device: Union[int, torch.device, str, None] = None) -> None:
     """Wait for the work queued on the accelerator (what `torch.cuda.synchronize()` did for
     CUDA): on MPS it waits for MPS, on XPU for XPU, and without an accelerator it returns at
