@@ -279,7 +279,35 @@ def test_a_script_joining_the_group_itself_does_so_only_where_setup_did_not():
                  "if int(os.environ.get('WORLD_SIZE', 1)) > 1:\n"
                  "    dist.init_process_group(backend='nccl', init_method='env://')\n"
                  "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + TRAIN)
-    assert "    if not dist.is_initialized():\n        dist.init_process_group(backend='nccl'" in out
+    # (its hard-coded NCCL follows the device: GM417)
+    assert "    if not dist.is_initialized():\n        dist.init_process_group(backend=distributed_backend()" in out
+
+
+def test_a_script_that_distributes_itself_under_torchrun_keeps_its_path():
+    """Its group and its DDP wrap where torchrun runs it as written: no second group, no second
+    wrap, the device changes only, and one note with the launch command."""
+    source = HEAD + textwrap.dedent("""\
+        import os
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = int(os.environ.get('RANK', -1)) != -1
+        if ddp:
+            dist.init_process_group(backend='gloo')
+        model = torch.nn.Linear(4, 1)
+        if ddp:
+            model = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for epoch in range(2):
+            for x, y in DataLoader(train_set, batch_size=4):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            print(epoch)
+        """)
+    result = migrate(source.encode(), "ddp")
+    assert result.error is None and result.new_source is None  # nothing of theirs to change
+    notes = [f.message for f in result.findings if f.note]
+    assert len(notes) == 1 and "joins the process group itself" in notes[0] and "torchrun --nproc_per_node" in notes[0]
 
 
 LAUNCHED = """\

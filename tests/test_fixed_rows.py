@@ -89,14 +89,6 @@ def test_the_split_goes_before_the_outermost_loop_that_keeps_the_tensors():
         loss.backward()
         opt.step()
     """,
-    # the data changes inside the loop (batches drawn at random each step)
-    """\
-    for epoch in range(3):
-        x = torch.randn(8, 3)
-        loss = criterion(model(x), targets)
-        loss.backward()
-        opt.step()
-    """,
     # the loss reads a value of unknown shape beside the rows
     """\
     weights = make_weights()
@@ -111,6 +103,17 @@ def test_data_left_whole_where_the_rows_cannot_be_followed(loop):
     out, reviews = ddp(loop, head=HEAD)
     assert "shard_rows" not in out
     assert any(WHOLE in r for r in reviews), reviews
+
+
+def test_a_loop_that_draws_its_data_is_sharded_by_its_counter_not_by_rows():
+    out, _ = ddp("""\
+    for epoch in range(3):
+        x = torch.randn(8, 3)
+        loss = criterion(model(x), targets)
+        loss.backward()
+        opt.step()
+    """, head=HEAD)
+    assert "shard_rows" not in out and "for epoch in shard_batches(range(3)):" in out
 
 
 def test_a_dataloader_script_is_sharded_by_its_sampler_not_by_rows():

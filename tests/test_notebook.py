@@ -142,8 +142,9 @@ def test_location_format():
 def test_review_items_name_the_cell(notebook):
     result = cli(notebook, "--to", "ddp", "--check")
     assert result.exit_code == 1
-    line, col = position(notebook, 3, "torch.manual_seed(1)")
-    assert f"{notebook}:cell 3:{line}:{col}: GM400 review by hand: every rank seeds the same" in result.stderr
+    line, col = position(notebook, 5, "torch.utils.data.DataLoader(")
+    assert f"{notebook}:cell 5:{line}:{col}: GM400 review by hand: the effective batch size is now WORLD_SIZE" \
+        in result.stderr
 
 
 def test_syntax_error_names_the_cell(tmp_path):

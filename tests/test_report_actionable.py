@@ -65,19 +65,20 @@ def test_changed_items_are_worded_as_what_was_done(tmp_path):
 def test_review_items_point_at_and_quote_the_migrated_file(tmp_path):
     script, output, report = _migrate(tmp_path, "--to", "ddp")
     lines = script.read_text().splitlines()
-    seed = next(i for i, line in enumerate(lines, 1) if "torch.manual_seed" in line)
+    loader = next(i for i, line in enumerate(lines, 1) if "train_loader = DataLoader(" in line)
     # the terminal names the line of the file as written, not the original's
-    assert f"{script}:{seed}:1: GM400 review by hand: every rank seeds the same" in output
-    item = next(part for part in report.split("\n- ") if "every rank seeds the same" in part)
-    assert item.startswith(f"line {seed} (original ") and item.rstrip().endswith("`torch.manual_seed(args.seed)`")
+    assert f"{script}:{loader}:1: GM400 review by hand: the effective batch size is now WORLD_SIZE" in output
+    item = next(part for part in report.split("\n- ") if "the effective batch size" in part)
+    assert item.startswith(f"line {loader} (original ") and "`train_loader = DataLoader(" in item
 
 
 def test_a_dry_run_points_at_the_file_as_it_is(tmp_path):
     script = tmp_path / "train.py"
     shutil.copyfile(MNIST, script)
     run = CliRunner().invoke(cli.main, [str(script), "--no-cache", "--to", "ddp", "--check"])
-    seed = next(i for i, line in enumerate(MNIST.read_text().splitlines(), 1) if "torch.manual_seed" in line)
-    assert f"{script}:{seed}:1: GM400 review by hand" in run.output
+    loader = next(i for i, line in enumerate(MNIST.read_text().splitlines(), 1)
+                  if "train_loader = DataLoader(" in line)
+    assert f"{script}:{loader}:" in run.output and "GM400 review by hand: the effective batch size" in run.output
     assert "next:" not in run.output
 
 

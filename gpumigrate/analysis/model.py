@@ -933,7 +933,8 @@ class ScriptModel:
             e = stack.pop()
             if isinstance(e, cst.Call) and isinstance(e.func, (cst.Name, cst.Attribute)):
                 name = e.func.value if isinstance(e.func, cst.Name) else e.func.attr.value
-                if name in ("enumerate", "tqdm", "trange", "iter", "zip", "islice") and e.args:
+                # shard_batches: the runtime's sharding where a loop iterates (an earlier run's)
+                if name in ("enumerate", "tqdm", "trange", "iter", "zip", "islice", "shard_batches") and e.args:
                     stack.extend(a.value for a in (e.args if name == "zip" else e.args[:1]))
                     continue
                 if name == "DataLoader":

@@ -15,6 +15,8 @@ module per concern in `gpumigrate/codemods/ddp/`, each readable alone:
 
 - `wrap.py`: where DistributedDataParallel wraps which model, and which names hold it;
 - `data.py`: what to shard (samplers, loaders rebuilt per rank, `set_epoch`, per-rank sizes);
+- `loops.py`: where a training loop's data is sharded as it iterates (`shard_batches`), for
+  every nest that no construction-site edit of data.py shards;
 - `reduce.py`: what to reduce over ranks (evaluation metrics, training sums);
 - `rank0.py`: what runs on rank 0 only (outputs, checkpoints, barriers after writes) and the
   values the ranks must agree on;
@@ -34,10 +36,12 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from gpumigrate.analysis import script_model
+from gpumigrate.analysis.launch import Torchrun
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.analysis.values import call_argument
 from gpumigrate.codemods.ddp.data import LoaderEdit, Sharding  # noqa: F401  (LoaderEdit: re-exported)
+from gpumigrate.codemods.ddp.loops import BatchSite, TrainingLoops  # noqa: F401  (BatchSite: re-exported)
 from gpumigrate.codemods.ddp.rank0 import RankZero
 from gpumigrate.codemods.ddp.reach import Reach
 from gpumigrate.codemods.ddp.reduce import Reductions
@@ -52,6 +56,10 @@ def _buffer_classes(stateful) -> Set[str]:
     """The classes of "Class:registrar:attr" entries whose state is a registered buffer."""
     return {entry.split(":")[0] for entry in stateful if entry.split(":")[1] == "register_buffer"}
 
+_INIT_GROUP = ("torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group")
+_OWN_WRAPS = ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel",
+              "torch.distributed.fsdp.FullyShardedDataParallel", "torch.distributed.fsdp.fully_shard",
+              "torch.distributed._composable.fsdp.fully_shard")
 _MAIN_TEST = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
 # Top-level packages that are not the project's own files (for calls the migration cannot read).
 _LIBRARIES = frozenset({
@@ -110,7 +118,7 @@ def device_definition(stmt: cst.CSTNode, qualify, helpers: Tuple[str, ...] = ("g
         and isinstance(small.value, cst.Call) and runtime_helper(qualify(small.value.func)) in helpers
 
 
-class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
+class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
     """One file's ddp decisions, built once by `ddp_plan(ctx)`. Here: the plan's state, whether
     the file is part of a program that trains, and what a reviewer must know; the other decisions
     come from the mixins, one module per concern in gpumigrate/codemods/ddp/."""
@@ -123,6 +131,7 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
         self.declined: Set[str] = set()  # review messages that say the file does not get --to ddp
         self._wrapped_memo: Dict[int, bool] = {}
         self._visited: Optional[Set[Tuple[str, int]]] = None  # the walk of wrapped_reference
+        self.own_launch_note: Optional[str] = None  # said where the script distributes itself
 
     @property
     def s(self):
@@ -168,11 +177,48 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
         return self.entry is not None and not self.model.has_training and bool(self.trained_in)
 
     @cached_property
+    def own_launch(self) -> Optional[cst.Call]:
+        """The script's own `init_process_group` where torchrun runs it as written (`ddp =
+        int(os.environ.get('RANK', -1)) != -1` then `if ddp: init_process_group(...)`, through
+        the calls of this file that reach it): a script that already distributes itself under
+        torchrun, and wraps its model there itself (DDP, FSDP). Its path is kept whole (its
+        group, its DDP wrap, its split of the work):
+        the migration adds no second group and no second wrap. A path torchrun does not take as
+        written (`if args.distributed:` from options torchrun does not pass, or a worker that
+        `mp.spawn` starts) is another matter: see DdpSetup._own_init and GM405."""
+        as_written = Torchrun(self.model, env_defaults=False)
+        calls = list(self.s.index.of(cst.Call))
+        init = next((c for c in calls if self.model.qualify(c.func) in _INIT_GROUP and self._reached(c, as_written, 0)),
+                    None)
+        # and it trains data-parallel there itself (its DDP or FSDP wrap): a group alone, with
+        # each rank training by itself, is no path to keep
+        if init is not None and any(self.model.qualify(c.func) in _OWN_WRAPS and self._reached(c, as_written, 0)
+                                    for c in calls):
+            return init
+        return None
+
+    def _reached(self, node: cst.CSTNode, torchrun: Torchrun, depth: int) -> bool:
+        """Does torchrun provably run `node` (its conditions, and some call that leads to its function)?"""
+        if torchrun.runs(node) is not True:
+            return False
+        fn = self.s.function(node)
+        if fn is None:
+            return True
+        return depth < 4 and any(self._reached(call, torchrun, depth + 1) for call in fn.callers)
+
+    @cached_property
     def active(self) -> bool:
         """The ddp edits apply: a program that trains, here or in a module of its project.
         Scripts without training (inference, evaluation) are left to the device fixes, with
-        a note."""
+        a note; so are scripts that distribute themselves under torchrun (`own_launch`)."""
         if not self.script:
+            return False
+        if self.own_launch is not None:
+            line = self.ctx.module.code_for_node(self.own_launch.func)
+            self.own_launch_note = (f"this script joins the process group itself where torchrun runs it (`{line}(...)`): "
+                                    "--to ddp keeps its distributed path as it is (its group, its DDP wrap, how it "
+                                    "splits the work) and made the device changes only; launch it with `torchrun "
+                                    "--nproc_per_node=NUM_GPUS <script> ARGS`")
             return False
         if self.driver:
             for link in self.trained_in:
@@ -186,7 +232,11 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
             return True
         if not self.model.has_training:
             if self.entry is None or self.drivers and self.entry[0] == "module":
-                return False  # a module of the program (its models, its data) that a script imports: nothing to say
+                # a module of the program (its models, its data, its utilities) that a script imports: what it
+                # prints and writes, every rank would (a `print_network(model)`, a run folder made with
+                # exist_ok=False): gated to rank 0 where the script is migrated in this run
+                return self.helper_module
+            first = self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module
             first = self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module
             self._decline(first, "no training found (no `.backward()` or `optimizer.step()`): nothing to distribute, "
                                  "so --to ddp made only the device changes; run it with python")
@@ -198,6 +248,16 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
                                   "does not migrate: migrate it too (`gpumigrate <its folder> --to ddp`): it must "
                                   "call setup_distributed() first, or each rank trains alone")
         return True
+
+    @cached_property
+    def helper_module(self) -> bool:
+        """A module that does not train, imported by a script this run migrates, that prints or
+        writes: its outputs move to rank 0 like the script's. It gets nothing else: no
+        collective (its functions' callers are in another file, so none is provably reached by
+        every rank), no set-up (the script's)."""
+        return not self.model.has_training and self.model.uses_torch is not None and \
+            any(link.in_run for link in self.drivers) and \
+            any(self.model.output_call(c) for c in self.s.index.of(cst.Call))
 
     def _decline(self, where: cst.CSTNode, why: str) -> None:
         self.reviews.append((where, why))
@@ -219,6 +279,8 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
     def review_items(self) -> List[Tuple[cst.CSTNode, str]]:
         """Everything the migration could not prove, and the choices a human should check."""
         items = list(self.reviews)
+        if self.helper_module:
+            return items  # it trains nothing: what follows is about training
         first = (self.model.backward_calls or self.model.step_calls or self.ctx.module.body)[0]
         # a driver's training, optimizers and data are its trainer module's to report; a trainer
         # module's optimizers may be its script's
@@ -236,7 +298,9 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
                                 "computes from them (a printed loss, a metric) is this rank's share"))
         covered = [call for call in self.model.backward_calls
                    if any(a is loop for loop, _ in splits for a in self.s.ancestors(call))]
-        if self.unsharded_data and len(covered) < len(self.model.backward_calls):
+        items.extend(self.batch_reviews())
+        if self.unsharded_data and len(covered) < len(self.model.backward_calls) and not self.batch_sites \
+                and not self.counted_loops:
             items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded; every rank "
                                  "draws its batches as the script does (the same ones where their order is seeded alike, "
                                  "others where it is not, as an environment's episodes) and the gradients are averaged, "
@@ -261,7 +325,7 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
                 items.append((loader.call, f"evaluation (`{edit.flag}` false) not sharded ({self.why_whole(loader)}): "
                                            "every rank evaluates the whole set and gets the same numbers; correct, "
                                            "not faster"))
-            if loader.role == "both" and self.shard_training:
+            if loader.role == "both" and self.shard_training and not self.iterated_sharded(loader.call):
                 items.append((loader.call, "this loader is used for training and for evaluation: not sharded"))
         for line_id, name in self.rebuild_points().items():
             line = next(n for n in self.s.index.order if id(n) == line_id)
@@ -282,9 +346,11 @@ class DdpPlan(Wraps, Sharding, Reductions, RankZero, Reach):
         items.extend(self._foreign_helpers())
         seeds = [c for c in self.s.index.order if isinstance(c, cst.Call) and self.model.qualify(c.func) in (
             "torch.manual_seed", "random.seed", "numpy.random.seed")]
-        if seeds and self.shard_training:
-            items.append((seeds[0], "every rank seeds the same: random augmentation and dropout repeat across "
-                                    "ranks; add get_rank() to the seed if they should differ"))
+        if seeds and self.shard_training and not any(n is seeds[0] for n, _ in self.notes):
+            self.notes.append((seeds[0], "every rank seeds the same; under torchrun the runtime parts the ranks' "
+                                         "random streams at the first training loop or step (each reseeded from a "
+                                         "draw of its own plus the rank), so augmentation, dropout and random "
+                                         "draws differ per rank, and a seed still repeats a run for a world size"))
         items.extend(self._own_path())
         if self.shard_training:
             items.extend((call, f"`{name}` keeps state in buffers its methods update in place (a memory bank, a "

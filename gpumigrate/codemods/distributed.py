@@ -10,7 +10,7 @@ is unknown the plan takes the safe form and GM400 reports it for review.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
@@ -190,6 +190,9 @@ class DdpSetup(Rule):
                 for where, why in [*self.plan.averaging(), *self.plan.notes]:
                     self.report(where, why)
         else:
+            if self.plan.own_launch_note is not None:
+                self.ctx.report(self.code, self.plan.own_launch, self.plan.own_launch_note, fixed=False, review=False,
+                                note=True)
             for where, why in self.plan.reviews:
                 self.report(where, why, review=True, not_applied="ddp" if why in self.plan.declined else "")
 
@@ -502,6 +505,13 @@ class DistributedSamplerRule(Rule):
         self.hoisted: dict = {}  # id(original line) -> (name, dataset expression)
         self.rows = {id(r.loop): r for r in self.plan.fixed_rows} if self.plan.active else {}
         self.row_loads = {k: name for r in self.rows.values() for k, name in r.loads.items()}
+        self.loop_sites: dict = {}  # id(original For) -> its BatchSites (data, counter)
+        self.iter_sites: dict = {}  # id(original expression in `iter(...)`) -> its BatchSite
+        for site in (self.plan.batch_sites.values() if self.plan.active else ()):
+            if site.kind == "iterator":
+                self.iter_sites[id(site.expr)] = site
+            else:
+                self.loop_sites.setdefault(id(site.loop), []).append(site)
 
     def leave_Name(self, original: cst.Name, updated: cst.Name):
         shard = self.row_loads.get(id(original))
@@ -510,6 +520,21 @@ class DistributedSamplerRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if not self.plan.active:
             return None
+        seeds = self.plan.environment_seeds
+        if seeds and any(id(a.value) in seeds for a in original.args):
+            self.report(original, "the environment is seeded per rank (the seed plus `get_rank()`): each rank "
+                                  "plays its own episodes")
+            return updated.with_changes(args=[
+                a.with_changes(value=cst.BinaryOperation(
+                    left=a.value if not isinstance(a.value, (cst.BinaryOperation, cst.IfExp, cst.Lambda)) else
+                    a.value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
+                    operator=cst.Add(), right=_call(self.ctx, "get_rank", (), self.fixing)))
+                if id(o.value) in seeds else a for o, a in zip(original.args, updated.args)])
+        if self.iter_sites and m.matches(original.func, m.Name("iter")) and len(original.args) == 1 and \
+                id(original.args[0].value) in self.iter_sites:
+            self.report(original, "the iterator that `next()` draws training batches from is this rank's part of "
+                                  "the loader (`shard_batches`)")
+            return updated.with_changes(args=[updated.args[0].with_changes(value=self._sharded(updated.args[0].value))])
         if self.plan.foreign_iterations and m.matches(original.func, m.Name("iter")) and len(original.args) == 1:
             inner = self._iterated(original.args[0].value, updated.args[0].value)
             if inner is not None:
@@ -522,7 +547,7 @@ class DistributedSamplerRule(Rule):
         if edit is None:
             return None
         if edit.problem is not None:
-            if edit.problem != "already sharded":
+            if edit.problem != "already sharded" and not self.plan.iterated_sharded(original):
                 self.report(original, edit.problem, review=True)
             return None
         if edit.rebuild:
@@ -629,6 +654,8 @@ class DistributedSamplerRule(Rule):
             inner = self._iterated(original.iter, updated.iter)
             if inner is not None:
                 updated = updated.with_changes(iter=inner)
+        for site in self.loop_sites.get(id(original), ()):
+            updated = self._shard_at(site, original, updated)
         holders = self.epoch_loops.get(id(original))
         if not holders or not isinstance(updated.body, cst.IndentedBlock):
             return updated
@@ -641,6 +668,55 @@ class DistributedSamplerRule(Rule):
         return updated.with_changes(body=body.with_changes(body=[*calls, *body.body]))
 
     leave_For = leave_While = _loop
+
+    def _sharded(self, expr: cst.BaseExpression, indices: bool = False) -> cst.Call:
+        args = [cst.Arg(expr)] + ([keyword_arg("indices", cst.Name("True"))] if indices else [])
+        return _call(self.ctx, "shard_batches", args, self.fixing)
+
+    def _shard_at(self, site, original: cst.For, updated: cst.For) -> cst.For:
+        """`for x in enumerate(loader)` -> `for x in enumerate(shard_batches(loader))`: the site's
+        expression wrapped where it stands in the loop's iterable (found by the same argument
+        positions in the updated tree)."""
+        path, node = [], original.iter
+        while node is not site.expr:
+            if not isinstance(node, cst.Call):
+                return updated
+            k = next((i for i, a in enumerate(node.args) if script_model(self.ctx).s.index.contains(a.value, site.expr)
+                      or a.value is site.expr), None)
+            if k is None:
+                return updated
+            path.append(k)
+            node = node.args[k].value
+
+        def rebuild(expr: cst.BaseExpression, rest: List[int]) -> Optional[cst.BaseExpression]:
+            if not rest:
+                return self._sharded(expr, site.indices)
+            if not isinstance(expr, cst.Call) or rest[0] >= len(expr.args):
+                return None
+            inner = rebuild(expr.args[rest[0]].value, rest[1:])
+            if inner is None:
+                return None
+            args = list(expr.args)
+            args[rest[0]] = args[rest[0]].with_changes(value=inner)
+            return expr.with_changes(args=args)
+
+        new = rebuild(updated.iter, path)
+        if new is None:
+            return updated
+        code = " ".join(self.ctx.module.code_for_node(site.expr).split())
+        if site.kind == "data":
+            self.report(original.iter, f"training data sharded where this loop iterates it (`shard_batches`: each "
+                                       f"rank takes its own part of what `{code}` yields, in full batches, a new "
+                                       "order each pass)")
+        elif site.indices:
+            self.report(original.iter, f"training data indexed by this loop's counter: each rank takes its own "
+                                       f"contiguous block of the values of `{code}` (`shard_batches(..., "
+                                       "indices=True)`)")
+        else:
+            self.report(original.iter, f"training loop sharded by its counter: `shard_batches({code})` gives every "
+                                       "rank every WORLD_SIZE-th value and the last (the same values on every rank), "
+                                       "so the ranks together run the script's iterations once")
+        return updated.with_changes(iter=new)
 
     def leave_SimpleStatementLine(self, original, updated):
         if not self.plan.active:
@@ -1074,11 +1150,11 @@ class LegacyLauncher(Rule):
         ),
         Flagged(
             "import os\nimport torch.distributed as dist\nparser.add_argument('--world-size', default=-1, type=int)\n"
-            "parser.add_argument('--rank', default=-1, type=int)\ndist.init_process_group('nccl')\n",
+            "parser.add_argument('--rank', default=-1, type=int)\ndist.init_process_group('gloo')\n",
             fixed="import os\nimport torch.distributed as dist\n"
                   "parser.add_argument('--world-size', default=int(os.environ.get(\"WORLD_SIZE\", -1)), type=int)\n"
                   "parser.add_argument('--rank', default=int(os.environ.get(\"RANK\", -1)), type=int)\n"
-                  "dist.init_process_group('nccl')\n",
+                  "dist.init_process_group('gloo')\n",
         ),
         Clean("parser.add_argument('--rank', type=int, default=0)\n"),  # no torch.distributed: some other rank
         Clean("import torch.distributed as dist\nparser.add_argument('--rank', type=int, default=8)\n"
@@ -1099,6 +1175,175 @@ class LegacyLauncher(Rule):
         if default is not None:  # in its place, so the line keeps its order
             return updated.with_changes(args=[a.with_changes(value=value) if a is default else a for a in updated.args])
         return with_args(updated, [*updated.args, keyword_arg("default", value)])
+
+
+_SPAWN = ("torch.multiprocessing.spawn", "torch.multiprocessing.spawn.spawn")
+_DEVICE_COUNT = ("torch.cuda.device_count",)
+_INIT_GROUP = ("torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group")
+
+
+class SpawnLauncher(Rule):
+    """
+    ## What it does
+    Puts a script with its own launcher into torchrun's form: `mp.spawn(main_worker,
+    nprocs=ngpus, args=(...))` becomes one call, `main_worker(get_local_rank(), ...)`, in
+    each process torchrun starts, and a process count taken from `torch.cuda.device_count()`
+    becomes `get_world_size()` (ddp migration).
+
+    ## Why is this bad?
+    A script that spawns one worker per GPU runs nothing on a machine without CUDA (0
+    processes), hard-codes its rendezvous (`MASTER_ADDR`, `MASTER_PORT`) and cannot span
+    machines. Under torchrun each process is already the worker: it joins the group
+    `setup_distributed()` made (the worker's own `init_process_group` runs only where no group
+    exists: `python train.py` in one process).
+
+    ## Example
+    ```python
+    ngpus = torch.cuda.device_count()
+    mp.spawn(main_worker, nprocs=ngpus, args=(ngpus, args))
+    ```
+
+    ## Use instead
+    ```python
+    ngpus = get_world_size()
+    main_worker(get_local_rank(), ngpus, args)  # launch: torchrun --nproc_per_node=NUM_GPUS train.py
+    ```
+    """
+
+    code = "GM416"
+    done = "`mp.spawn(worker, ...)` → `worker(get_local_rank(), ...)` in each process torchrun starts"
+    name = "spawn-launcher"
+    message = "a script that spawns its own workers runs none without CUDA and only on one machine: launch with torchrun"
+    fixed_in = frozenset({"ddp"})
+    lint = False  # right on one multi-GPU machine: a migration step
+    triggers = ("spawn",)
+    examples = (
+        Flagged("import torch\nimport torch.multiprocessing as mp\n\ndef main_worker(gpu, n, args):\n    pass\n\n"
+                "ngpus = torch.cuda.device_count()\nmp.spawn(main_worker, nprocs=ngpus, args=(ngpus, None))\n",
+                fixed="import torch\nimport torch.multiprocessing as mp\n"
+                      "from gpumigrate.runtime import get_local_rank, get_world_size\n\n"
+                      "def main_worker(gpu, n, args):\n    pass\n\n"
+                      "ngpus = get_world_size()\nmain_worker(get_local_rank(), ngpus, None)\n"),
+        Clean("import torch.multiprocessing as mp\nmp.set_start_method('spawn')\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.counts: Set[int] = set()  # id(value) of `n = torch.cuda.device_count()` that name nprocs
+        model = script_model(self.ctx)
+        for call in model.s.index.of(cst.Call):
+            if self._spawn(call) is None:
+                continue
+            nprocs = get_arg(call, "nprocs", 2)
+            if nprocs is not None and isinstance(nprocs.value, cst.Name):
+                bindings = model.s.all_bindings(nprocs.value.value, model.s.scope(nprocs.value))
+                if bindings and all(b.how == "assign" and isinstance(b.value, cst.Call) and
+                                    self.qualify(b.value.func) in _DEVICE_COUNT for b in bindings):
+                    self.counts.update(id(b.value) for b in bindings)
+
+    def _spawn(self, call: cst.Call) -> Optional[cst.Name]:
+        """The worker function of `mp.spawn(fn, ...)` (a function of this file), or None."""
+        if self.qualify(call.func) not in _SPAWN or not call.args or call.args[0].keyword or call.args[0].star:
+            return None
+        fn = call.args[0].value
+        if not isinstance(fn, cst.Name):
+            return None
+        model = script_model(self.ctx)
+        _, bindings = model.s.lookup(fn.value, model.s.scope(call))
+        return fn if bindings and all(b.how == "def" for b in bindings) else None
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        if id(original) in self.counts:
+            self.report(original, "the number of processes is torchrun's: `get_world_size()`")
+            return _call(self.ctx, "get_world_size", (), self.fixing)
+        fn = self._spawn(original)
+        if fn is None or not isinstance(script_model(self.ctx).s.parent(original), cst.Expr):
+            return None
+        given = get_arg(updated, "args", 1)
+        extra: List[cst.Arg] = []
+        if given is not None:
+            if not isinstance(given.value, cst.Tuple) or any(e.__class__ is not cst.Element for e in given.value.elements):
+                self.report(original, "mp.spawn with arguments that are not a literal tuple: call the worker as "
+                                      "`worker(get_local_rank(), *args)` under torchrun by hand", review=True)
+                return None
+            extra = [cst.Arg(e.value) for e in given.value.elements]
+        self.report(original)
+        return cst.Call(func=updated.args[0].value, args=[cst.Arg(_call(self.ctx, "get_local_rank", (), self.fixing)),
+                                                          *extra])
+
+
+class NcclBackend(Rule):
+    """
+    ## What it does
+    Replaces a hard-coded `"nccl"` backend of the script's own `init_process_group` (passed
+    there, or through a name bound to the literal) with `distributed_backend()`: NCCL for
+    CUDA tensors (and gloo for CPU ones) on a CUDA machine, gloo where there is no GPU, the
+    device's own backend on XPU and the like.
+
+    ## Why is this bad?
+    NCCL exists only for CUDA GPUs: `init_process_group("nccl")` raises on a laptop, a Mac or a
+    CPU runner, so the script's own distributed path cannot even be tried there.
+
+    ## Example
+    ```python
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    ```
+
+    ## Use instead
+    ```python
+    dist.init_process_group(distributed_backend(), rank=rank, world_size=world_size)
+    ```
+    """
+
+    code = "GM417"
+    done = "`\"nccl\"` → `distributed_backend()`: NCCL on CUDA, gloo elsewhere"
+    name = "nccl-backend"
+    message = "a hard-coded NCCL backend runs on CUDA GPUs only"
+    fixed_in = frozenset({"device"})
+    triggers = ("nccl",)
+    examples = (
+        Flagged("import torch.distributed as dist\ndist.init_process_group('nccl', rank=0, world_size=1)\n",
+                fixed="import torch.distributed as dist\nfrom gpumigrate.runtime import distributed_backend\n\n"
+                      "dist.init_process_group(distributed_backend(), rank=0, world_size=1)\n"),
+        Flagged("from torch.distributed import init_process_group\nbackend = 'nccl'  # 'nccl', 'gloo', etc.\n"
+                "init_process_group(backend=backend)\n",
+                fixed="from torch.distributed import init_process_group\nfrom gpumigrate.runtime import distributed_backend\n\n"
+                      "backend = distributed_backend()  # 'nccl', 'gloo', etc.\ninit_process_group(backend=backend)\n"),
+        Clean("import torch.distributed as dist\ndist.init_process_group('gloo')\n"),
+        Clean("import torch.distributed as dist\nbackend = 'nccl'\nprint(backend)\ndist.init_process_group(backend)\n"),
+    )
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self.literals: Set[int] = set()  # id of each "nccl" string to replace
+        model = script_model(self.ctx)
+        for call in model.s.index.of(cst.Call):
+            if self.qualify(call.func) not in _INIT_GROUP:
+                continue
+            backend = get_arg(call, "backend", 0)
+            if backend is None:
+                continue
+            value = backend.value
+            if _nccl(value):
+                self.literals.add(id(value))
+            elif isinstance(value, cst.Name):
+                bindings = model.s.all_bindings(value.value, model.s.scope(value))
+                uses = [n for n in model.s.index.of(cst.Name) if n.value == value.value
+                        and not (isinstance(model.s.parent(n), cst.Arg) and model.s.parent(n).keyword is n)
+                        and not (isinstance(model.s.parent(n), cst.Attribute) and model.s.parent(n).attr is n)
+                        and model.s.lookup(n.value, model.s.scope(n))[1] == bindings]
+                # only where the name is the backend and nothing else reads it (a config print keeps it)
+                if bindings and all(b.how == "assign" and _nccl(b.value) for b in bindings) and \
+                        len(uses) == len(bindings) + 1:
+                    self.literals.update(id(b.value) for b in bindings)
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString):
+        if id(original) not in self.literals:
+            return None
+        self.report(original)
+        return _call(self.ctx, "distributed_backend", (), self.fixing)
+
+
+def _nccl(node: Any) -> bool:
+    return isinstance(node, cst.SimpleString) and node.evaluated_value == "nccl"
 
 
 def _loop_of(stmt: cst.CSTNode) -> Optional[cst.For]:
@@ -1562,6 +1807,14 @@ class RankZeroOutput(_BlockRule):
             return cst.FlattenSentinel([guard, _line(_call(self.ctx, "barrier"))])
         return guard
 
+    def leave_Try(self, original: cst.Try, updated: cst.Try):
+        """A barrier after a whole `try` whose body rank 0 writes in (see `barriers_after_try`)."""
+        if not self.plan.active or id(original) not in self.plan.barriers_after_try:
+            return None
+        self.report(original, "rank 0 writes in this `try`, which an exception may leave on one rank: the other "
+                              "ranks wait for the write after the whole statement")
+        return cst.FlattenSentinel([updated, _line(_call(self.ctx, "barrier"))])
+
     def _hoisted(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
         """`writer.add_histogram('out', net(x), 0)`: the arguments that may train or
         communicate (a model's forward, an evaluation) run first, on every rank; only the
@@ -1926,18 +2179,41 @@ class DdpDeviceIds(Rule):
               "broadcast_buffers=False)\n"),
     )
 
+    def visit_Module(self, node: cst.Module) -> None:
+        # names bound to a DDP this rule replaces: `.module` of them exists only on a wrapper,
+        # which wrap_model makes under torchrun alone (in one process it returns the model)
+        self.replaced: Set[str] = set()
+        for call in script_model(self.ctx).s.index.of(cst.Call):
+            parent = script_model(self.ctx).s.parent(call)
+            if self._replaces(call) and isinstance(parent, cst.Assign) and parent.value is call:
+                self.replaced.update(dotted(t.target) or "" for t in parent.targets)
+
+    def _replaces(self, call: cst.Call) -> bool:
+        if self.qualify(call.func) not in DDP_CLASSES or not call.args or call.args[0].keyword or call.args[0].star:
+            return False
+        given = [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
+                 for i, a in enumerate(call.args[1:])]
+        if not set(given) <= {*_DDP_DEVICE_ARGS, "find_unused_parameters"}:
+            return False
+        return bool(set(given) & set(_DDP_DEVICE_ARGS)) or "convert_sync_batchnorm" in self.ctx.text
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        if original.attr.value != "module" or (dotted(original.value) or "") not in self.replaced - {""}:
+            return None
+        parent = script_model(self.ctx).s.parent(original)
+        if isinstance(parent, cst.Call) and parent.func is original:
+            return None
+        self.report(original, "`.module` exists only on a DistributedDataParallel wrapper, which wrap_model makes under "
+                              "torchrun only: `unwrap_model(model)` works in one process too")
+        return _call(self.ctx, "unwrap_model", [cst.Arg(updated.value)], self.fixing)
+
     def leave_Call(self, original: cst.Call, updated: cst.Call):
-        if self.qualify(original.func) not in DDP_CLASSES or not original.args or original.args[0].keyword \
-                or original.args[0].star:
+        if not self._replaces(original):
             return None
         rest = original.args[1:]
         given = [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
                  for i, a in enumerate(rest)]
-        if not set(given) <= {*_DDP_DEVICE_ARGS, "find_unused_parameters"}:
-            return None
         if not set(given) & set(_DDP_DEVICE_ARGS):
-            if "convert_sync_batchnorm" not in self.ctx.text:
-                return None
             self.report(original, "DistributedDataParallel of a model with SyncBatchNorm runs on GPUs only; "
                                   "wrap_model keeps BatchNorm per process on the CPU")
         else:

@@ -225,22 +225,46 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
     in_run = {Path(p).resolve() for p in paths}
     out: Dict[str, Project] = {}
     folders: Dict[Path, Tuple[Dict[Path, List[_Module]], Set[Path]]] = {}  # -> (importing scripts, star-imported)
+    # the scripts of the run, with what they import through packages (`from trainer import
+    # Trainer`, where trainer/__init__.py takes it from trainer/loop.py): a module's importers
+    # beyond its own folder (a script in scripts/ that puts the project root on sys.path)
+    run_scripts = [m for m in (reader.get(p) for p in in_run) if m is not None and m.script]
+    reached = {m.path: _through_packages(m.imports, reader) for m in run_scripts}
     for raw in paths:
         path = Path(raw).resolve()
         module = reader.get(path)
         if module is None:
             continue
-        imports = [link for link in (_link(reader.get(t), in_run) for t in module.imports) if link is not None]
+        imports = [link for link in (_link(reader.get(t), in_run) for t in _through_packages(module.imports, reader))
+                   if link is not None]
         folder = path.parent
         if folder not in folders:
             folders[folder] = _folder_links(folder, reader)
         scripts, star_imported = folders[folder]
-        importers = [link for link in (_link(other, in_run) for other in scripts.get(path, ()) if other.path != path)
-                     if link is not None]
+        drivers = {other.path: other for other in scripts.get(path, ()) if other.path != path}
+        drivers.update((m.path, m) for m in run_scripts if m.path != path and path in reached[m.path])
+        importers = [link for link in (_link(other, in_run) for other in drivers.values()) if link is not None]
         starred = path in star_imported
         if imports or importers or starred:
             out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)),
                                starred)
+    return out
+
+
+def _through_packages(imports: Sequence[Path], reader: _Reader) -> List[Path]:
+    """`imports`, and what the packages among them take from their own modules (a package's
+    `__init__.py` that re-exports `from .loop import Trainer`), to a depth of three."""
+    out = list(imports)
+    todo = [(p, 0) for p in imports if p.name == "__init__.py"]
+    while todo:
+        package, depth = todo.pop()
+        module = reader.get(package)
+        for target in module.imports if module is not None and depth < 3 else ():
+            if target not in out and target.parent == package.parent or target.parent.parent == package.parent:
+                if target not in out:
+                    out.append(target)
+                if target.name == "__init__.py":
+                    todo.append((target, depth + 1))
     return out
 
 

@@ -448,6 +448,11 @@ class Sharding:
         if any(not isinstance(l, cst.For) for l in loops):
             return "it is consumed with next(), not a for loop"
         for loop in loops:
+            others = [other for other in self.model.loaders if other is not loader and other.role != "eval"
+                      and any(c.node is loop for c in other.consumers)]
+            if others:  # a count summed over ranks must count a sharded loader's samples only
+                return "its loop also evaluates a loader that trains or is kept whole (`{}`)".format(
+                    next((name for _, name, _ in others[0].holders), "another loader"))
             if self.metrics(loop) is None:
                 return self._blockers.get(id(loop)) or "its loop keeps more than sums"
             if not self.uniform(loop):

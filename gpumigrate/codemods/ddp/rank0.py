@@ -273,6 +273,33 @@ class RankZero:
         return self.reloads or any(isinstance(n, cst.Call) and (self.model.qualify(n.func) or "") in _READERS
                                    for n in self.s.index.order)
 
+    @cached_property
+    def barriers_after_try(self) -> Set[int]:
+        """ids of `try` statements after which a barrier goes: rank 0 saves or writes in their
+        body, which every rank reaches but an exception may leave on one rank (`try:
+        os.makedirs(d) except OSError: pass`, with the folder there already): a barrier inside
+        would wait for a rank that never comes; after the whole statement, every rank gets there."""
+        out: Set[int] = set()
+        if not self.active or not self.reads_files:
+            return out
+        for node in self.s.index.of(cst.Try):
+            if not self.uniform(node) or self._on_the_filesystem(node):
+                continue
+            if any(self.model.output_call(c) == "save" for c in self.s.inside(node.body, cst.Call)) and \
+                    not self._barrier_follows(node):
+                out.add(id(node))
+        return out
+
+    def _barrier_follows(self, stmt: cst.CSTNode) -> bool:
+        """The statement after `stmt` in its block is a barrier (an earlier run's)."""
+        block = self.s.block(stmt)
+        body = list(block.body) if block is not None else []
+        k = next((i for i, member in enumerate(body) if member is stmt), len(body))
+        after = body[k + 1] if k + 1 < len(body) else None
+        return isinstance(after, cst.SimpleStatementLine) and any(
+            isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) and
+            runtime_helper(self.model.qualify(small.value.func)) == "barrier" for small in after.body)
+
     def barrier_after_write(self, stmt: cst.CSTNode) -> bool:
         """A file written on rank 0 (`plt.savefig`, `save_image`, `pickle.dump`) where every rank
         goes equally often, in a script that reads files back: a barrier after it."""

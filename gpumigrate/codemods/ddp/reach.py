@@ -69,6 +69,8 @@ class Reach:
                     return False
             if isinstance(ancestor, cst.ExceptHandler):
                 return False
+            if isinstance(ancestor, cst.Try) and child is ancestor.body and not _interrupt_only(ancestor):
+                return False  # an exception on one rank (a folder rank 0 made, a file) skips the rest there
             if isinstance(ancestor, (cst.For, cst.While)) and self._local_exit(ancestor):
                 return False
             if isinstance(ancestor, cst.For) and id(ancestor) in self._unpadded_loops:
@@ -184,3 +186,10 @@ class Reach:
             return False
         fn = self.s.function(node)
         return fn is None or id(fn.node) in self.uniform_functions
+
+
+def _interrupt_only(node: cst.Try) -> bool:
+    """A `try` whose handlers catch only KeyboardInterrupt (`except KeyboardInterrupt: print(
+    'Exiting from training early')`): Ctrl-C stops every rank alike."""
+    return bool(node.handlers) and all(
+        isinstance(h.type, cst.Name) and h.type.value == "KeyboardInterrupt" for h in node.handlers)
