@@ -233,3 +233,33 @@ def test_a_strided_step_keeps_the_scripts_schedule_cadence_and_exact_steps():
     assert json.dumps({"it": steps[3]}) == '{"it": 6}' and f"{steps[3]:3d}" == "  6" and str(steps[3] + 1) == "7"
     down = _counter(range(10, 0, -1), 2)
     assert [int(s) for s in down] == [10, 8, 6, 4, 2, 1] and [int(s) for s in down if s == 9] == [10]
+
+
+LAZY = """\
+import os, sys, threading
+import torch
+from gpumigrate.runtime import get_rank, shard_batches, wrap_model
+
+threading.Thread(target=lambda: (threading.Event().wait(60), os._exit(3)), daemon=True).start()
+torch.manual_seed(0)
+model = wrap_model(torch.nn.Linear(3, 1))  # no setup_distributed(): joins the group here
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+seen = []
+for k in shard_batches(range(6)):
+    seen.append(int(k))
+    opt.zero_grad()
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+torch.save({"seen": seen, "w": model.module.weight.detach().clone()}, os.path.join(sys.argv[1], f"lazy{get_rank()}.pt"))
+"""
+
+
+def test_a_module_migrated_without_its_script_joins_the_group_at_first_use(tmp_path):
+    script = tmp_path / "lazy.py"
+    script.write_text(LAZY)
+    code, _, stderr = torchrun(script, str(tmp_path))
+    assert code == 0, stderr[-3000:]
+    first, second = (torch.load(tmp_path / f"lazy{r}.pt") for r in range(2))
+    assert first["seen"] == second["seen"] == [0, 2, 4, 5]
+    assert torch.equal(first["w"], second["w"])
+    assert stderr.count("joined the process group at the first distributed helper") == 1

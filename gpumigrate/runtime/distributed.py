@@ -61,14 +61,20 @@ def _launch() -> Optional[_Launch]:
 def is_distributed() -> bool:
     """True in a process group of more than one process.
 
-    Raises if a launcher started several processes but `setup_distributed()` has not run
-    yet: every rank would silently train on the whole dataset."""
+    Where a launcher started several processes but `setup_distributed()` has not run (a
+    trainer module migrated without the script that drives it), the first helper that needs
+    the group joins it here, with one line on rank 0, rather than let every rank train alone
+    on the whole dataset. (The device is this process's already: `get_device()` reads
+    LOCAL_RANK under torchrun.)"""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
     launch = _launch()
-    if launch is not None and launch.world_size > 1:
-        raise RuntimeError("launched as one of several processes: call setup_distributed() before "
-                           "building loaders or wrapping models")
+    if launch is not None and launch.world_size > 1 and multiprocessing.parent_process() is None:
+        setup_distributed()
+        if launch.rank == 0:
+            print("gpumigrate.runtime: joined the process group at the first distributed helper (the script that "
+                  "runs this code calls no setup_distributed(): migrate it too)", file=sys.stderr, flush=True)
+        return dist.is_initialized() and dist.get_world_size() > 1
     return False
 
 
