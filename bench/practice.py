@@ -307,16 +307,23 @@ def _count(run: Optional[dict], rank: int, what: str) -> int:
 
 
 # "about 1/N" of the one-process run's work, for N = NPROC
-SPLIT_LOW, SPLIT_HIGH = 0.6 / NPROC, 1.5 / NPROC
+SPLIT_LOW, SPLIT_HIGH = 0.6 / NPROC, 1.4 / NPROC
+
+
+def _drawn(run: Optional[dict], rank: int) -> int:
+    """Samples the training passes drew: the indices of the sampler passes an optimizer step
+    followed (the probe records them as they are yielded)."""
+    rep = (run or {}).get("ranks", {}).get(rank, {})
+    return sum(len(s.get("indices", ())) for s in rep.get("samplers", []) if s.get("steps"))
 
 
 def work_split(rec: dict) -> dict:
     """Is the training work split between the ranks, as the hidden sets' oracle defines it? With a
     training DataLoader, each rank draws about 1/N of the samples one process draws; without one,
-    each rank makes about 1/N of its optimizer steps (or of its backward calls, where gradient
-    accumulation is split). Counted on complete runs: the one-process run must end by itself
-    (not at the step cap; bench/practice_shim caps hard-coded loops and shortens a sharded pass in
-    proportion), else only a sampler that deals disjoint shards can tell."""
+    each rank makes about 1/N of its optimizer steps (or of its backward calls per step, where
+    gradient accumulation is split). Counted on complete runs: the one-process run must end by
+    itself (not at the step cap; bench/practice_shim caps hard-coded loops and shortens a sharded
+    pass in proportion), else only a sampler that deals disjoint shards can tell."""
     dev, ddp = rec.get("device_run"), rec.get("ddp_run")
     sampler = sharding(ddp)
     out = {"sampler": sampler}
@@ -329,16 +336,21 @@ def work_split(rec: dict) -> dict:
             else "the one-process run did not train" if dev and dev["ok"] else "the one-process run failed"))
         return out
     ranks = sorted((ddp or {}).get("ranks", {}))
+    about = lambda mine, whole: bool(whole) and SPLIT_LOW <= mine / whole <= SPLIT_HIGH  # noqa: E731
     steps = [_count(ddp, r, "steps") for r in ranks]
     backs = [_count(ddp, r, "backwards") for r in ranks]
-    ratio = lambda mine, whole: (mine / whole) if whole else 0.0  # noqa: E731
-    step_split = bool(steps) and all(SPLIT_LOW <= ratio(x, steps_dev) <= SPLIT_HIGH for x in steps)
-    back_split = bool(backs) and back_dev >= 2 and all(SPLIT_LOW <= ratio(x, back_dev) <= SPLIT_HIGH for x in backs)
+    drawn, drawn_dev = [_drawn(ddp, r) for r in ranks], _drawn(dev, 0)
+    step_split = bool(steps) and all(about(x, steps_dev) for x in steps)
+    # gradient accumulation split: as many steps, each of about 1/N of the backward calls
+    back_split = bool(backs) and back_dev >= 2 and all(
+        x and about(b / x, back_dev / steps_dev) for b, x in zip(backs, steps))
+    sample_split = drawn_dev > 0 and all(about(d, drawn_dev) for d in drawn) and sampler["sharded"]
     overlapping = sampler.get("overlap", 0) > max(1, (sampler.get("drawn") or [0])[0] // 50) \
         and sampler.get("kind") in ("DistributedSampler", "_Shard", "RandomSampler")
-    out["split"] = (step_split or back_split) and not overlapping
+    out["split"] = (step_split or back_split or sample_split) and not overlapping
     out["why"] = (f"optimizer steps per rank {'/'.join(map(str, steps))} of one process's {steps_dev}"
                   + (f", backward calls {'/'.join(map(str, backs))} of {back_dev}" if back_split and not step_split else "")
+                  + (f", samples drawn {'/'.join(map(str, drawn))} of {drawn_dev}" if drawn_dev else "")
                   + ("; " + sampler["why"] if sampler.get("kind") else ""))
     return out
 
