@@ -9,11 +9,18 @@ import libcst as cst
 
 from gpumigrate.analysis import script_model
 from gpumigrate.analysis import values as v
-from gpumigrate.analysis.devices import CUDA_TYPES, cuda_or_cpu
+from gpumigrate.analysis.devices import (
+    CUDA_TYPES,
+    DEVICE_KEYWORDS,
+    CudaName,
+    cuda_name,
+    cuda_or_cpu,
+    device_use,
+    local_rank_index,
+)
 from gpumigrate.analysis.syntax import runtime_helper, walk
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.device_plan import (
-    cuda_string_index,
     replace_calls,
     cuda_type_dtype,
     device_plan,
@@ -44,6 +51,8 @@ def _cuda_method() -> Any:
 _SET_DEVICE = "`torch.cuda.set_device` hard-codes the GPU; `get_device()` picks it (LOCAL_RANK's GPU under torchrun)"
 _ACCELERATOR_GUARD = ("`torch.cuda.is_available()` guards a move to the device: `accelerator_available()` asks "
                       "what `get_device()` answers, so data and model meet on a Mac's GPU (MPS) too")
+_ACCELERATOR_CHOICE = ("`torch.cuda.is_available()` chooses between the device and the CPU: "
+                       "`accelerator_available()` asks what `get_device()` answers (MPS on a Mac too)")
 _ACCELERATOR_FLAG = ("`torch.cuda.is_available()` chooses the device: `accelerator_available()` counts a Mac's GPU "
                      "(MPS) and the other accelerators too; the flag still selects the CPU")
 
@@ -114,7 +123,12 @@ class CudaCall(Rule):
             return None
         index = get_arg(updated, "device", 0)
         rest = [a for a in updated.args if a is not index]
-        device = device_plan(self.ctx).device_expr(index.value if index else None, self.fixing)
+        plan = device_plan(self.ctx)
+        named = get_arg(original, "device", 0)
+        if named is not None and plan.holds_device(named.value):  # `dev = "cuda"` ... `x.cuda(dev)`
+            device = index.value
+        else:
+            device = plan.device_expr(index.value if index else None, self.fixing)
         func = updated.func.with_changes(attr=cst.Name("to"))
         return with_args(updated.with_changes(func=func), [cst.Arg(device)] + rest)
 
@@ -259,10 +273,12 @@ class HardcodedDevice(Rule):
     """
     ## What it does
     Finds hard-coded CUDA devices: `torch.device("cuda:0")`, `"cuda"` strings passed as
-    devices, `torch.cuda.set_device(n)`, and `if args.cuda:` / `if use_cuda:` guards around
-    `.cuda()` calls; and devices chosen between CUDA and the CPU
-    (`"cuda" if torch.cuda.is_available() else "cpu"`, `args.cuda = not args.no_cuda and
-    torch.cuda.is_available()`).
+    devices (`f"cuda:{i}"` and `"cuda:%d" % i` too), names, attributes and `--device` flags
+    bound to such a string and used as a device (`dev = "cuda"`, `self.device = "cuda:0"`,
+    `parser.add_argument('--device', default='cuda')`), `torch.cuda.set_device(n)`, and
+    `if args.cuda:` / `if use_cuda:` guards around `.cuda()` calls; and devices chosen
+    between CUDA and the CPU (`"cuda" if torch.cuda.is_available() else "cpu"`,
+    `args.cuda = not args.no_cuda and torch.cuda.is_available()`).
 
     ## Why is this bad?
     The script fails wherever there is no CUDA GPU, and `set_device` fights torchrun's
@@ -286,9 +302,16 @@ class HardcodedDevice(Rule):
     `get_device() if args.cuda else torch.device("cpu")`, and the flag's
     `torch.cuda.is_available()` becomes `accelerator_available()` (unless a CUDA-only call
     such as `torch.cuda.get_device_name()` runs under the flag: then it is kept and reported).
-    `device = "cuda" if torch.cuda.is_available() else "cpu"` becomes `device = get_device()`,
-    a torch.device: `device == "cuda"` becomes `device.type == "cuda"`, `device_type=device`
-    becomes `device_type=device.type`, other string uses are reported. A GPU index that only an `if
+    `device = "cuda" if torch.cuda.is_available() else "cpu"` (or `device = "cuda"`) becomes
+    `device = get_device()`, a torch.device: `device == "cuda"` becomes `device.type ==
+    "cuda"`, `"cuda" in device` becomes `"cuda" in device.type`, `device_type=device` becomes
+    `device_type=device.type`. Where the script also reads it as a string in another way
+    (`device.startswith("cuda")`, a function of another module), it stays a string naming
+    the runtime's device (`get_device().type`, `str(get_device(1))`), and this is reported.
+    A `--device` flag's CUDA default becomes `get_device().type` (`--device cpu` still
+    chooses). `f"cuda:{i}"` becomes `get_device(i)`. A name only used as a device type
+    (`device_type = "cuda" if "cuda" in device else "cpu"`, read by autocast and compared
+    with "cuda") stays as it is. A GPU index that only an `if
     use_cuda:` guard defines (`gpu = args.gpu`) is defined on every device once the
     `.cuda(gpu)` calls leave their guards; where its value could fail or do something
     (`torch.cuda.current_device()`), those guards stay.
@@ -306,7 +329,8 @@ class HardcodedDevice(Rule):
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
         return facts.any_id("set_device") or facts.any_id("is_available") or (
-            facts.any_id("device") or facts.any_call("to")) and any(cuda_string_index(s)[0] for s in facts.strings)
+            facts.any_id("device", *DEVICE_KEYWORDS) or facts.any_call("to", "cuda", "load", "add_argument")) and any(
+            s == "cuda" or s.startswith("cuda:") for s in facts.strings)
 
     examples = (
         Flagged(
@@ -344,8 +368,31 @@ class HardcodedDevice(Rule):
             fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n"
             "x = torch.zeros(1).to(device)\nif device.type == 'cuda':\n    torch.backends.cudnn.benchmark = True\n",
         ),
+        Flagged(  # a name bound to a CUDA device's name, in any scope, used as a device
+            'import torch\n\ndef to_gpu(t):\n    dev = "cuda:0"\n    return t.to(dev)\n',
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\n"
+            "def to_gpu(t):\n    dev = get_device()\n    return t.to(dev)\n",
+        ),
+        Flagged(  # a computed index keeps its meaning: the i-th accelerator
+            "import torch\nx = torch.zeros(2, device=f'cuda:{rank}')\ny = x.to('cuda:%d' % rank)\n",
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\n"
+            "x = torch.zeros(2, device=get_device(rank))\ny = x.to(get_device(rank))\n",
+        ),
+        Flagged(  # a flag's default names a device this machine has; `--device cpu` still chooses
+            "import argparse\nimport torch\nparser = argparse.ArgumentParser()\n"
+            "parser.add_argument('--device', default='cuda')\nargs = parser.parse_args()\n"
+            "model = torch.nn.Linear(2, 2).to(args.device)\n",
+            fixed="import argparse\nimport torch\nfrom gpumigrate.runtime import get_device\n\n"
+            "parser = argparse.ArgumentParser()\n"
+            "parser.add_argument('--device', default=get_device().type)\nargs = parser.parse_args()\n"
+            "model = torch.nn.Linear(2, 2).to(args.device)\n",
+        ),
         Clean('import torch\ndevice = get_device() if args.cuda else torch.device("cpu")\n'),
         Clean('import torch\nx = torch.zeros(2, device="cpu")\nname = "cuda"\n'),
+        Clean(  # a device type: read by autocast and compared with "cuda", never used as a device
+            "import torch\ndevice_type = 'cuda' if 'cuda' in args.device else 'cpu'\n"
+            "ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16)\nfused = device_type == 'cuda'\n"
+        ),
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.BaseExpression]:
@@ -356,7 +403,8 @@ class HardcodedDevice(Rule):
             is_cuda, index = torch_device_index(original)
             first = get_arg(original, "type", 0)
             choice = first.value if first is not None and cuda_or_cpu(first.value) else None
-            if not is_cuda and choice is None:
+            named = cuda_name(first.value) if first is not None else None
+            if not is_cuda and choice is None and (named is None or named.computed is None):
                 return None
             plan = device_plan(self.ctx)
             if plan.in_definition(original):
@@ -367,34 +415,92 @@ class HardcodedDevice(Rule):
                 return plan.redefine(definition)
             if choice is not None:  # torch.device("cuda" if torch.cuda.is_available() else "cpu") in place
                 return plan.redefine_choice(choice)
+            if not is_cuda:  # torch.device(f"cuda:{i}")
+                return self._named_device(named)
             index_node = cst.Integer(str(index)) if index is not None else None
             return plan.device_expr(index_node, self.fixing)
+        if is_method_call(original, "format") and cuda_name(original) is not None:
+            return self._named_value(original)  # dev = "cuda:{}".format(i)
         args, changed = list(updated.args), False
         for i, arg in enumerate(original.args):
             if arg.keyword is None and not is_method_call(original, "to"):
                 continue
-            if arg.keyword is not None and arg.keyword.value != "device":
+            if arg.keyword is not None and arg.keyword.value not in DEVICE_KEYWORDS:
                 continue
-            is_cuda, index = cuda_string_index(literal_str(arg.value))
-            if is_cuda:
+            named = cuda_name(arg.value)
+            if named is not None:
                 self.report(arg.value)
-                index_node = cst.Integer(str(index)) if index is not None else None
-                args[i] = args[i].with_changes(value=device_plan(self.ctx).device_expr(index_node, self.fixing))
+                args[i] = args[i].with_changes(value=self._named_device(named))
                 changed = True
         return updated.with_changes(args=args) if changed else None
 
+    def _named_device(self, named: CudaName) -> cst.BaseExpression:
+        """Where a CUDA device's name is used as a device: `"cuda"` -> `device`, `"cuda:1"` ->
+        `get_device(1)`, `f"cuda:{i}"` -> `get_device(i)`."""
+        plan = device_plan(self.ctx)
+        if named.computed is not None and not local_rank_index(named.computed):
+            return plan.runtime_device(named, self.fixing)
+        index = cst.Integer(str(named.index)) if named.index is not None else None
+        return plan.device_expr(index, self.fixing)
+
+    def _named_value(self, original: cst.BaseExpression) -> Optional[cst.BaseExpression]:
+        """A CUDA device's name bound to a name, an attribute or a `--device` default: what the
+        plan decided it becomes (the runtime's device, or a string naming it), said once per name."""
+        plan = device_plan(self.ctx)
+        mode = plan.mode(original)
+        if mode is None:
+            return None
+        holder = plan.named[id(original)]
+        if holder.flag:
+            self.report(original, f"`{holder.name}` defaults to a CUDA device: the default becomes the name of the "
+                                  "device `get_device()` picks on this machine; a device given on the command line "
+                                  "is kept")
+        elif mode == "string":
+            self.report(original, f"`{holder.name}` names a CUDA device: it becomes the name of the device "
+                                  "`get_device()` picks, still a string")
+        else:
+            self.report(original)
+        if original is holder.values[0]:  # said once per name
+            for where, why in plan.reviews.get(id(holder), ()):
+                self.report(where, why, review=True)
+        return plan.rewrite_named(original)
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString):
+        if not original.value.strip("\"'rRbBuU").startswith("cuda"):
+            return None
+        return self._named_value(original)  # dev = "cuda"; parser.add_argument('--device', default='cuda')
+
+    def leave_FormattedString(self, original: cst.FormattedString, updated: cst.FormattedString):
+        return self._named_value(original) if cuda_name(original) is not None else None  # dev = f"cuda:{i}"
+
+    def leave_BinaryOperation(self, original: cst.BinaryOperation, updated: cst.BinaryOperation):
+        return self._named_value(original) if cuda_name(original) is not None else None  # dev = "cuda:%d" % i
+
     def leave_IfExp(self, original: cst.IfExp, updated: cst.IfExp):
-        if not cuda_or_cpu(original) and not any(isinstance(b, cst.Call) and self.qualify(b.func) == "torch.device"
-                                                 for b in (original.body, original.orelse)):
+        choice = cuda_or_cpu(original)
+        if not choice and not any(isinstance(b, cst.Call) and self.qualify(b.func) == "torch.device"
+                                  for b in (original.body, original.orelse)):
             return None
         plan = device_plan(self.ctx)
+        if id(original) in plan.named:  # device = "cuda" if torch.cuda.is_available() else "cpu"
+            return self._named_value(original)
         definition = plan.existing_definition(original)
+        if definition is None and choice and self._used_as_device(original):
+            self.report(original)  # x.to("cuda" if torch.cuda.is_available() else "cpu")
+            return plan.redefine_choice(original)
         if definition is None or not definition.hardcoded:
             return None
         self.report(original)
-        for where, why in plan.string_uses()[1] if definition.string else ():
-            self.report(where, why, review=True)
         return plan.redefine(definition)
+
+    def _used_as_device(self, choice: cst.IfExp) -> bool:
+        """A choice of device used where a device goes (not in `torch.device(...)`, whose
+        own fix covers it)."""
+        s = script_model(self.ctx).s
+        parent, grand = s.parent(choice), s.parent(s.parent(choice))
+        if isinstance(parent, cst.Arg) and isinstance(grand, cst.Call) and self.qualify(grand.func) == "torch.device":
+            return False
+        return device_use(s, self.qualify, choice) == "device"
 
     def _accelerator_flag(self, original: cst.Call) -> Optional[cst.BaseExpression]:
         """`torch.cuda.is_available()` in the flag that chooses the device
@@ -402,6 +508,9 @@ class HardcodedDevice(Rule):
         plan = device_plan(self.ctx)
         if id(original) in plan.accelerator_calls:
             self.report(original, _ACCELERATOR_FLAG)
+            return cst.Call(func=runtime_name(self.ctx, "accelerator_available", self.fixing))
+        if id(original) in plan.choice_calls:
+            self.report(original, _ACCELERATOR_CHOICE)
             return cst.Call(func=runtime_name(self.ctx, "accelerator_available", self.fixing))
         if "GM101" in self.ctx.fixing and isinstance(plan.accelerator_guard(original), cst.IfExp):
             self.report(original, _ACCELERATOR_GUARD)  # `if` statements: leave_If, once it knows the guard stays
@@ -412,16 +521,32 @@ class HardcodedDevice(Rule):
         return None
 
     def leave_Name(self, original: cst.Name, updated: cst.Name):
-        if original.value in self._string_names and id(original) in device_plan(self.ctx).string_uses()[0]:
-            self.report(original, f"`{original.value}` is a torch.device now (`get_device()`): its type is the "
-                                  "string `\"cuda\"`/`\"cpu\"` the script compares")
-            return cst.Attribute(value=updated, attr=cst.Name("type"))
+        if original.value in self._string_names:
+            return self._device_type(original, updated)
         return None
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        if original.attr.value in self._string_names and isinstance(original.value, cst.Name):
+            return self._device_type(original, updated)  # self.device == "cuda"
+        return None
+
+    def _device_type(self, original: cst.BaseExpression, updated: cst.BaseExpression):
+        """`device == "cuda"`, `"cuda" in device`, `device_type=device`, where `device` is a
+        torch.device now (`get_device()`): its type is the string the script compared."""
+        if id(original) not in device_plan(self.ctx).typed:
+            return None
+        code = self.ctx.module.code_for_node(original)
+        self.report(original, f"`{code}` is a torch.device now (`get_device()`): its type is the string "
+                              "`\"cuda\"`/`\"cpu\"` the script compares")
+        return cst.Attribute(value=updated, attr=cst.Name("type"))
 
     @functools.cached_property
     def _string_names(self) -> frozenset:
-        """Names of devices the script holds as strings ("cuda"/"cpu"): few files have one."""
-        return frozenset(d.name for d in device_plan(self.ctx).defs if d.string)
+        """Names (and attributes: `self.device`) of devices the script names by strings
+        ("cuda"/"cpu"): few files have one."""
+        scanner = script_model(self.ctx).devices
+        return frozenset([d.name for d in scanner.defs if d.string] +
+                         [d.name.split(".", 1)[1] for d in scanner.attribute_defs])
 
     def leave_SimpleStatementLine(self, original, updated):
         keep = []
