@@ -45,9 +45,17 @@ class CudaName:
     computed: Optional[cst.BaseExpression] = None
 
 
+def _text(node: Optional[cst.BaseExpression], *starts: str) -> Optional[str]:
+    """`literal_str(node)` for a string whose source starts with one of `starts` after its
+    quotes: others are not evaluated (which would warn of an invalid escape such as `\\d`)."""
+    if not isinstance(node, cst.SimpleString) or not node.value.lstrip("rRuU").strip("\"'").startswith(starts):
+        return None
+    return literal_str(node)
+
+
 def cuda_name(node: Optional[cst.BaseExpression]) -> Optional[CudaName]:
     if isinstance(node, cst.SimpleString):
-        is_cuda, index = cuda_string_index(literal_str(node))
+        is_cuda, index = cuda_string_index(_text(node, "cuda"))
         return CudaName(index) if is_cuda else None
     if isinstance(node, cst.FormattedString):
         parts = node.parts
@@ -57,7 +65,7 @@ def cuda_name(node: Optional[cst.BaseExpression]) -> Optional[CudaName]:
             return CudaName(computed=parts[1].expression)
         return None
     if isinstance(node, cst.BinaryOperation):
-        left, right = literal_str(node.left), node.right
+        left, right = _text(node.left, "cuda:"), node.right
         if isinstance(node.operator, cst.Modulo) and left in ("cuda:%d", "cuda:%i", "cuda:%s"):
             if isinstance(right, cst.Tuple):
                 if len(right.elements) != 1 or isinstance(right.elements[0], cst.StarredElement):
@@ -69,7 +77,7 @@ def cuda_name(node: Optional[cst.BaseExpression]) -> Optional[CudaName]:
                 and not right.args[0].star:
             return CudaName(computed=right.args[0].value)
         return None
-    if is_method_call(node, "format") and literal_str(node.func.value) in ("cuda:{}", "cuda:{0}") and \
+    if is_method_call(node, "format") and _text(node.func.value, "cuda:") in ("cuda:{}", "cuda:{0}") and \
             len(node.args) == 1 and node.args[0].keyword is None and not node.args[0].star:
         return CudaName(computed=node.args[0].value)
     return None
@@ -397,7 +405,7 @@ def device_types(node: cst.BaseExpression) -> bool:
     """"cuda", or ("cuda", "mps"): device types, which `device.type` is compared with."""
     if isinstance(node, (cst.Tuple, cst.List, cst.Set)):
         return bool(node.elements) and all(device_types(e.value) for e in node.elements)
-    return literal_str(node) in DEVICE_TYPES
+    return _text(node, *DEVICE_TYPES) in DEVICE_TYPES
 
 
 def is_read(s: Structure, node: cst.BaseExpression) -> bool:
@@ -460,7 +468,7 @@ def _comparison_use(comparison: cst.Comparison, child: cst.BaseExpression) -> st
     if isinstance(op, (cst.In, cst.NotIn)):
         if child is left:  # d in ("cuda", "mps")
             return TYPE if isinstance(other, (cst.Tuple, cst.List, cst.Set)) and device_types(other) else STRING
-        return TYPE if literal_str(other) in DEVICE_TYPES else STRING  # "cuda" in d
+        return TYPE if _text(other, *DEVICE_TYPES) in DEVICE_TYPES else STRING  # "cuda" in d
     return STRING
 
 

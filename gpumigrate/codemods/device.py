@@ -466,7 +466,7 @@ class HardcodedDevice(Rule):
         return plan.rewrite_named(original)
 
     def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString):
-        if not original.value.strip("\"'rRbBuU").startswith("cuda"):
+        if cuda_name(original) is None:
             return None
         return self._named_value(original)  # dev = "cuda"; parser.add_argument('--device', default='cuda')
 
