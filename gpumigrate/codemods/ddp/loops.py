@@ -367,19 +367,24 @@ class TrainingLoops:
                     yield from self._direct_calls_of(target.node.body, depth + 1)
 
     def _direct_calls_of(self, body: cst.CSTNode, depth: int) -> Iterator[cst.Call]:
-        for node in self._own_nodes(body):
+        """A called function's calls: all of them, but in its loops that train (those loops
+        are part of the nest, inside the loop asked about)."""
+        for node in self._own_nodes(body, keep=lambda loop: not self.model.trains(loop.body)):
             if isinstance(node, cst.Call):
                 yield node
                 target = self.s.callee(node)
                 if target is not None and depth < 2 and isinstance(target.node, cst.FunctionDef):
                     yield from self._direct_calls_of(target.node.body, depth + 1)
 
-    def _own_nodes(self, root: cst.CSTNode) -> Iterator[cst.CSTNode]:
-        """Nodes under `root`, skipping nested `for` loops, functions, lambdas and classes."""
+    def _own_nodes(self, root: cst.CSTNode, keep=None) -> Iterator[cst.CSTNode]:
+        """Nodes under `root`, skipping nested `for` loops (but those `keep` says), functions,
+        lambdas and classes."""
         nodes = self.s.index.subtree(root)
         end = -1
         for i, node in enumerate(nodes):
             if i < end:
+                continue
+            if isinstance(node, cst.For) and keep is not None and keep(node):
                 continue
             if isinstance(node, (cst.For, cst.FunctionDef, cst.Lambda, cst.ClassDef)) and node is not root:
                 end = i + len(self.s.index.subtree(node))
@@ -397,7 +402,8 @@ class TrainingLoops:
         func = call.func
         if isinstance(func, cst.Name) and func.value == "next":
             return True
-        qualified = self.model.qualify(func) or ""
+        # a name from a star import is not qualified: its spelling says enough here
+        qualified = self.model.qualify(func) or (dotted(func) or "").replace("np.random.", "numpy.random.")
         if qualified.startswith(("numpy.random.", "random.")) or \
                 (qualified.startswith("torch.") and qualified.rsplit(".", 1)[-1] in _RANDOM_TORCH):
             return True
