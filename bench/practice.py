@@ -317,6 +317,12 @@ def _drawn(run: Optional[dict], rank: int) -> int:
     return sum(len(s.get("indices", ())) for s in rep.get("samplers", []) if s.get("steps"))
 
 
+def _rows(run: Optional[dict], rank: int) -> float:
+    """The mean rows (dim 0) the training forwards took per optimizer step."""
+    rows = (run or {}).get("ranks", {}).get(rank, {}).get("rows") or []
+    return sum(rows) / len(rows) if rows else 0.0
+
+
 def work_split(rec: dict) -> dict:
     """Is the training work split between the ranks, as the hidden sets' oracle defines it? With a
     training DataLoader, each rank draws about 1/N of the samples one process draws; without one,
@@ -345,12 +351,17 @@ def work_split(rec: dict) -> dict:
     back_split = bool(backs) and back_dev >= 2 and all(
         x and about(b / x, back_dev / steps_dev) for b, x in zip(backs, steps))
     sample_split = drawn_dev > 0 and all(about(d, drawn_dev) for d in drawn) and sampler["sharded"]
+    # a full batch split by rows (shard_rows): as many steps, each rank's forwards 1/N of the rows
+    rows_dev = _rows(dev, 0)
+    rows = [_rows(ddp, r) for r in ranks]
+    rows_split = rows_dev > 0 and all(about(x, rows_dev) for x in rows)
     overlapping = sampler.get("overlap", 0) > max(1, (sampler.get("drawn") or [0])[0] // 50) \
         and sampler.get("kind") in ("DistributedSampler", "_Shard", "RandomSampler")
-    out["split"] = (step_split or back_split or sample_split) and not overlapping
+    out["split"] = (step_split or back_split or sample_split or rows_split) and not overlapping
     out["why"] = (f"optimizer steps per rank {'/'.join(map(str, steps))} of one process's {steps_dev}"
                   + (f", backward calls {'/'.join(map(str, backs))} of {back_dev}" if back_split and not step_split else "")
                   + (f", samples drawn {'/'.join(map(str, drawn))} of {drawn_dev}" if drawn_dev else "")
+                  + (f", rows per step {'/'.join(f'{x:.1f}' for x in rows)} of {rows_dev:.1f}" if rows_split else "")
                   + ("; " + sampler["why"] if sampler.get("kind") else ""))
     return out
 
@@ -451,7 +462,7 @@ def _slim(rec: dict) -> None:
     for key in ("device_run", "ddp_run"):
         run = rec.get(key)
         if run:
-            run["ranks"] = {r: {k: rep.get(k) for k in ("error", "exit_code", "seconds", "optimizers", "wrap_calls", "backwards")}
+            run["ranks"] = {r: {k: rep.get(k) for k in ("error", "exit_code", "seconds", "optimizers", "wrap_calls", "backwards", "rows")}
                             | {"samplers": [{k: v for k, v in s.items() if k != "indices"} | {"drawn": len(s["indices"])}
                                             for s in rep.get("samplers", [])]}
                             for r, rep in run["ranks"].items()}

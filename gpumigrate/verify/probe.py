@@ -257,6 +257,10 @@ class Extras:
         # differ step by step
         self.inputs: list = []
         self.since_step: list = []
+        # per step, the rows (dim 0) of those first tensors: a rank training on its share of a
+        # full batch gives its forwards 1/N of them
+        self.rows: list = []
+        self.since_rows = 0
         self.depth = 0
         self.backwards = 0              # outermost backward() calls (gradient accumulation split per rank)
         self.in_backward = False
@@ -311,6 +315,7 @@ def _patch_optimizers() -> None:
                 values = tensor.detach().to("cpu", torch.float64).reshape(-1)
                 EXTRA.since_step.append(f"{tuple(tensor.shape)}:{float(values.sum()):.12g}:"
                                         f"{float(values.square().sum()):.12g}")
+                EXTRA.since_rows += int(tensor.shape[0]) if tensor.dim() else 1
 
     def leave(module, inputs, output):
         EXTRA.depth = max(0, EXTRA.depth - 1)
@@ -320,7 +325,8 @@ def _patch_optimizers() -> None:
             REC.last_iteration["steps"] += 1
         if EXTRA.active and EXTRA.since_step and len(EXTRA.inputs) < MAX_INPUTS:
             EXTRA.inputs.append(hashlib.sha1("|".join(EXTRA.since_step).encode()).hexdigest()[:16])
-        EXTRA.since_step = []
+            EXTRA.rows.append(EXTRA.since_rows)
+        EXTRA.since_step, EXTRA.since_rows = [], 0
         entry = _entry(optimizer)
         if entry is not None and entry["before"] is not None:
             entry["after"] = _optimizer_vector(optimizer)  # verify's step record reads it too
@@ -457,7 +463,8 @@ def _describe_extras(out_dir: Path, rank: int) -> dict:
     forwards = [{"module": k[0], "module_of_class": k[1], "training": k[2], "grad_enabled": k[3], "calls": n}
                 for k, n in sorted(EXTRA.forwards.items())]
     return {"optimizers": optimizers, "torch_loads": EXTRA.loads, "copies": EXTRA.copies,
-            "pickles": EXTRA.pickles, "forwards": forwards, "inputs": EXTRA.inputs, "backwards": EXTRA.backwards}
+            "pickles": EXTRA.pickles, "forwards": forwards, "inputs": EXTRA.inputs, "backwards": EXTRA.backwards,
+            "rows": EXTRA.rows}
 
 
 # ---------------------------------------------------------------- verify: steps, output, files, hangs
