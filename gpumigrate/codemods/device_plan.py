@@ -251,15 +251,15 @@ class DevicePlan:
             node, parent = parent, s.parent(parent)
         if not isinstance(parent, (cst.If, cst.IfExp)) or parent.test is not node:
             return None
-        body = parent.body
-        qualify = self.ctx.names.qualify
-        moves = any(is_method_call(n, "cuda") or (isinstance(n, cst.Attribute) and cuda_type_dtype(qualify(n)))
-                    or self._moves_to_named(n) for n in s.index.subtree(body))
+        moves = any(self.moves(n) for n in s.index.subtree(parent.body))
         return parent if moves and _cuda_only_in(self.ctx, s, parent) is None else None
 
-    def _moves_to_named(self, node: cst.CSTNode) -> bool:
-        """`.to("cuda:1")`, `.to(f"cuda:{i}")` or `.to(dev)` with `dev = "cuda"`: a move the
-        device rules point at the runtime's device."""
+    def moves(self, node: cst.CSTNode) -> bool:
+        """A move the device rules point at the runtime's device: `.cuda()`, a CUDA tensor
+        type, `.to("cuda:1")`, `.to(f"cuda:{i}")`, `.to(dev)` with `dev = "cuda"`."""
+        if is_method_call(node, "cuda") or isinstance(node, cst.Attribute) and cuda_type_dtype(
+                self.ctx.names.qualify(node)):
+            return True
         if not is_method_call(node, "to"):
             return False
         target = get_arg(node, "device", 0)
@@ -603,9 +603,7 @@ def _guarded_by(ctx: FileContext, s, flag: Flag) -> List[Union[cst.If, cst.IfExp
 def _moves_under(plan: DevicePlan, s, flag: Flag) -> bool:
     """Does `flag` guard a `.cuda()`, a CUDA tensor type or a `.to("cuda")` (a move the
     device rules fix)?"""
-    ctx = plan.ctx
-    return any(is_method_call(n, "cuda") or (isinstance(n, cst.Attribute) and cuda_type_dtype(ctx.names.qualify(n)))
-               or plan._moves_to_named(n) for node in _guarded_by(ctx, s, flag) for n in s.index.subtree(node))
+    return any(plan.moves(n) for node in _guarded_by(plan.ctx, s, flag) for n in s.index.subtree(node))
 
 
 def _cuda_only_under(ctx: FileContext, s, flag: Flag) -> Optional[str]:
