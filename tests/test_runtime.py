@@ -390,14 +390,19 @@ def test_single_process_helpers_do_not_communicate(monkeypatch, rt):
     assert runtime.is_main_process() and runtime.get_world_size() == 1
 
 
-def test_helpers_refuse_to_run_before_setup(monkeypatch, rt):
-    from torch.utils.data import TensorDataset
+def test_helpers_join_the_group_themselves_where_setup_did_not_run(monkeypatch, rt):
+    """A trainer module migrated without its script: the first helper that needs the group
+    joins it (tests/test_runtime_batches.py runs it under torchrun)."""
+    from torch.utils.data import RandomSampler, TensorDataset
 
-    runtime = rt
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="setup_distributed"):
-        runtime.distributed_sampler(TensorDataset(torch.arange(4)))
+    module = sys.modules[rt.distributed_sampler.__module__]
+    joined = []
+    monkeypatch.setattr(module, "setup_distributed", lambda *a, **k: joined.append(True))
+    sampler = rt.distributed_sampler(TensorDataset(torch.arange(4)))
+    assert joined == [True]
+    assert isinstance(sampler, RandomSampler)  # (the stand-in joined no group: one process's sampler)
 
 
 @pytest.mark.parametrize("backend, expected", [

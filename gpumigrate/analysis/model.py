@@ -1060,6 +1060,8 @@ class ScriptModel:
         if key in cache:
             return cache[key]
         cache[key] = False
+        if self.values.class_kind(cls) in v.MODULES:
+            return False  # a model that prints its size is no logger: `self.apply(init)` is no output
         writes = False
         for method in cls.methods.values():
             for call in method.calls:

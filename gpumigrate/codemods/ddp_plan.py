@@ -212,7 +212,7 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         Scripts without training (inference, evaluation) are left to the device fixes, with
         a note; so are scripts that distribute themselves under torchrun (`own_launch`)."""
         if not self.script:
-            return False
+            return self.helper_module  # a utility module of the program that imports no torch (its log printer)
         if self.own_launch is not None:
             line = self.ctx.module.code_for_node(self.own_launch.func)
             self.own_launch_note = (f"this script joins the process group itself where torchrun runs it (`{line}(...)`): "
@@ -255,8 +255,7 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         writes: its outputs move to rank 0 like the script's. It gets nothing else: no
         collective (its functions' callers are in another file, so none is provably reached by
         every rank), no set-up (the script's)."""
-        return not self.model.has_training and self.model.uses_torch is not None and \
-            any(link.in_run for link in self.drivers) and \
+        return not self.model.has_training and any(link.in_run for link in self.drivers) and \
             any(self.model.output_call(c) for c in self.s.index.of(cst.Call))
 
     def _decline(self, where: cst.CSTNode, why: str) -> None:
@@ -284,7 +283,8 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         first = (self.model.backward_calls or self.model.step_calls or self.ctx.module.body)[0]
         # a driver's training, optimizers and data are its trainer module's to report; a trainer
         # module's optimizers may be its script's
-        if not self.model.optimizers and not self.driver and not self._driven_by_optimizers:
+        if not self.model.optimizers and not self.driver and not self._driven_by_optimizers and \
+                not self._steps_an_optimizer:
             why = ("training found, but no torch.optim optimizer (updates by hand?): nothing is averaged across "
                    "ranks and the data is not sharded, so each rank trains by itself as one process would; rank 0 "
                    "prints and saves")

@@ -507,9 +507,12 @@ class DistributedSamplerRule(Rule):
         self.row_loads = {k: name for r in self.rows.values() for k, name in r.loads.items()}
         self.loop_sites: dict = {}  # id(original For) -> its BatchSites (data, counter)
         self.iter_sites: dict = {}  # id(original expression in `iter(...)`) -> its BatchSite
+        self.step_sites: set = set()  # ids of `x += 1` step counters
         for site in (self.plan.batch_sites.values() if self.plan.active else ()):
             if site.kind == "iterator":
                 self.iter_sites[id(site.expr)] = site
+            elif site.kind == "step":
+                self.step_sites.add(id(site.expr))
             else:
                 self.loop_sites.setdefault(id(site.loop), []).append(site)
 
@@ -668,6 +671,18 @@ class DistributedSamplerRule(Rule):
         return updated.with_changes(body=body.with_changes(body=[*calls, *body.body]))
 
     leave_For = leave_While = _loop
+
+    def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
+        """`it += 1` of the step counter that ends a `while` loop: `it = next_step(it)`."""
+        if id(original) not in self.step_sites:
+            return None
+        code = self.ctx.module.code_for_node(original.target)
+        self.report(original, f"training loop sharded by its step counter: `{code} = next_step({code})` counts the "
+                              "WORLD_SIZE steps the ranks take together, so the loop ends when they have taken the "
+                              "script's steps once (its `%` still counts this rank's own)")
+        return cst.Assign(targets=[cst.AssignTarget(updated.target)],
+                          value=_call(self.ctx, "next_step", [cst.Arg(updated.target.deep_clone())], self.fixing),
+                          semicolon=updated.semicolon)
 
     def _sharded(self, expr: cst.BaseExpression, indices: bool = False) -> cst.Call:
         args = [cst.Arg(expr)] + ([keyword_arg("indices", cst.Name("True"))] if indices else [])
@@ -2147,8 +2162,9 @@ class DdpDeviceIds(Rule):
     ```python
     model = wrap_model(model)  # from gpumigrate.runtime
     ```
-    A call with other DDP options (`broadcast_buffers`, `bucket_cap_mb`, ...) is kept, and
-    runs on GPUs only. In a script that converts BatchNorm to SyncBatchNorm, a plain
+    Other DDP options (`broadcast_buffers`, `bucket_cap_mb`, ...) go to wrap_model as they
+    are; a call with `**kwargs` or a process group of its own is kept. In a script that
+    converts BatchNorm to SyncBatchNorm, a plain
     `DistributedDataParallel(model)` becomes `wrap_model(model)` too: DDP refuses SyncBatchNorm
     on the CPU, and wrap_model keeps BatchNorm per process there.
     """
@@ -2175,8 +2191,11 @@ class DdpDeviceIds(Rule):
                 fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\n"
                       "net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)\nmodel = wrap_model(net)\n"),
         Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net)\n"),
-        Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0], "
-              "broadcast_buffers=False)\n"),
+        Flagged("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0], "
+                "broadcast_buffers=False)\n",
+                fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\n"
+                      "model = wrap_model(net, broadcast_buffers=False)\n"),
+        Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0], **opts)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -2193,7 +2212,7 @@ class DdpDeviceIds(Rule):
             return False
         given = [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
                  for i, a in enumerate(call.args[1:])]
-        if not set(given) <= {*_DDP_DEVICE_ARGS, "find_unused_parameters"}:
+        if "*" in given or "process_group" in given:  # `**kwargs`, a group of its own: kept
             return False
         return bool(set(given) & set(_DDP_DEVICE_ARGS)) or "convert_sync_batchnorm" in self.ctx.text
 
@@ -2220,5 +2239,5 @@ class DdpDeviceIds(Rule):
             self.report(original)
         args = [cst.Arg(updated.args[0].value)]
         args += [keyword_arg(a.keyword.value, a.value) for a in updated.args[1:]
-                 if a.keyword is not None and a.keyword.value == "find_unused_parameters"]
+                 if a.keyword is not None and a.keyword.value not in _DDP_DEVICE_ARGS]  # its other options stay
         return _call(self.ctx, "wrap_model", args, self.fixing)

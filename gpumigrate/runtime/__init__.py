@@ -7,7 +7,7 @@ others: see averaging.py).
 """
 
 from gpumigrate.runtime.averaging import average_gradients
-from gpumigrate.runtime.batches import shard_batches
+from gpumigrate.runtime.batches import next_step, shard_batches
 from gpumigrate.runtime.device import (accelerator_available, distributed_backend, get_device, get_local_rank,
                                        synchronize, tensor_type)
 from gpumigrate.runtime.distributed import (
@@ -69,6 +69,7 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "load_scaler_state",
+    "next_step",
     "optimizer_params",
     "reduce_mean",
     "reduce_sum",

@@ -188,6 +188,19 @@ def _counter(steps: range, world: int) -> List[int]:
     return [_Step(v, k, w) for k, (v, w) in enumerate(zip(values, widths))]
 
 
+def next_step(step: Any) -> Any:
+    """`step + 1` in one process; under torchrun, the step counter of a training loop that it
+    ends (`it = next_step(it)` for `it += 1`) counts the WORLD_SIZE steps the ranks take
+    together, so the loop ends when they have taken the script's steps once; as a `_Step`,
+    `it % k` still counts this rank's own steps and `it == n` finds the script's step n."""
+    if not is_distributed():
+        return step + 1
+    world = get_world_size()
+    local = step.local + 1 if isinstance(step, _Step) else int(step) // world + 1
+    _save_steps_as_numbers()
+    return _Step(int(step) + world, local, -world)
+
+
 class _Step(int):
     """One value of a counting range that `shard_batches` strided: the script's own step number
     (every WORLD_SIZE-th: the same on every rank), so progress computed from it (`it / n_iters`,

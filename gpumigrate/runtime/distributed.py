@@ -533,12 +533,15 @@ def wrap_model(
     *,
     find_unused_parameters: bool = False,
     sync_batchnorm: bool = False,
+    **ddp_options: Any,
 ) -> nn.Module:
     """Wrap a model (already on its device) in DistributedDataParallel; unchanged in one process.
 
     `device_ids` is given only for a model on a single GPU; a model spread over several
     devices (model parallelism) or on the CPU is wrapped without it. `sync_batchnorm`
-    converts BatchNorm layers to SyncBatchNorm (worth it for small per-GPU batches).
+    converts BatchNorm layers to SyncBatchNorm (worth it for small per-GPU batches). Other
+    DistributedDataParallel options (`broadcast_buffers`, `bucket_cap_mb`, `static_graph`,
+    ...) are passed on as they are.
     """
     if not is_distributed():
         return model
@@ -559,7 +562,7 @@ def wrap_model(
         if only.type not in ("cpu", "mps") and only.index is not None:  # one accelerator: CUDA, XPU, ...
             device_ids = [only.index]
     wrapped = nn.parallel.DistributedDataParallel(
-        model, device_ids=device_ids, find_unused_parameters=find_unused_parameters
+        model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **ddp_options
     )
     _note_wrapped(wrapped)
     return wrapped

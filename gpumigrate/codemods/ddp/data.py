@@ -80,9 +80,31 @@ class Sharding:
         optimizers: a model DDP wraps has its gradients averaged in backward, and every other
         parameter an optimizer steps has them averaged at the step, by the hooks
         setup_distributed() installs (runtime/averaging.py). So the ranks train one model
-        whatever the analysis could prove about the script's shape. Training by hand (no
-        optimizer) has no step to average at: its data stays whole."""
-        return self.active and (bool(self.model.optimizers) or self._driven_by_optimizers)
+        whatever the analysis could prove about the script's shape, however the optimizer was
+        made (a factory, a config, a project's Optimizer subclass stepped by `first_step()` and
+        `second_step()`: its base optimizer's step is hooked too). Training by hand (no
+        optimizer step at all) has no step to average at: its data stays whole."""
+        return self.active and (bool(self.model.optimizers) or self._driven_by_optimizers or self._steps_an_optimizer)
+
+    @cached_property
+    def _steps_an_optimizer(self) -> bool:
+        """A `.step()` (or `first_step()`/`second_step()`, SAM's) on something that is not a
+        scheduler, a scaler, a metric, a module or an environment: an optimizer the analysis
+        could not follow to its construction."""
+        for call in self.s.index.of(cst.Call):
+            func = call.func
+            if not isinstance(func, cst.Attribute) or func.attr.value not in ("step", "first_step", "second_step"):
+                continue
+            receiver = (dotted(func.value) or "").lower()
+            if func.attr.value == "step" and (call.args and not any(a.keyword and a.keyword.value == "closure"
+                                                                   for a in call.args)):
+                continue  # `env.step(action)`, `scheduler.step(metric)`
+            if any(w in receiver for w in ("sched", "scaler", "env", "meter", "timer", "bar", "lr")):
+                continue
+            if self.model.kind(func.value) in (v.SCHEDULER, v.SCALER, v.METRIC, v.MODULE, v.LOSS_MODULE, v.WRITER):
+                continue
+            return True
+        return False
 
     @cached_property
     def unsharded_data(self) -> bool:

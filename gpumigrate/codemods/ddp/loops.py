@@ -18,6 +18,9 @@ looks at what arrives when it runs (runtime/batches.py):
   step. Where an environment is stepped, that loop (the episodes, the time steps) goes
   before any minibatch loop over what the rank collected. A counting range is strided alike
   on every rank;
+- in a `while` loop a step counter ends (`while step < max_steps:`, `it += 1` and `if it >=
+  max_iters: break`), the counter's increment: it counts WORLD_SIZE steps per iteration
+  (`it = next_step(it)`), whatever else shards the data;
 - never a loop outside one that builds the optimizer (a run repeated per seed), never an
   epoch loop around a loop already sharded, never two loops of one nest.
 
@@ -50,7 +53,9 @@ class BatchSite:
 
     loop: cst.CSTNode  # the For whose data it is
     expr: cst.BaseExpression  # the original expression to wrap
-    kind: str  # "data", "counter" (a range around data made in the loop), "iterator" (iter(x) next() draws)
+    # "data", "counter" (a range around data made in the loop), "iterator" (iter(x) that next()
+    # draws from), "step" (`x += 1` of the step counter that ends a `while` loop)
+    kind: str
     indices: bool = False  # a range whose values index the data: dealt out in blocks
 
 
@@ -72,6 +77,13 @@ _WRAPPERS = frozenset({"enumerate", "tqdm", "islice", "iter"})
 _FILLS = frozenset({"append", "extend", "put", "push", "add", "insert", "store", "remember", "add_experience",
                     "put_data", "push_back", "record"})
 _MAX_NESTS = 16
+# functions that make data by their name (a project's or a library's: `get_batch`, `make_moons`)
+_DATA_FUNCTION = re.compile(r"batch|sample|rollout|episode|^make_(moons|circles|blobs|swiss|classification|regression|"
+                            r"data)|^(get|gen|generate|load|draw|fetch|create|next)_?(data|example|input|point|sequence)",
+                            re.I)
+# what `from random import *` (or numpy's) brings, called bare
+_STAR_RANDOM = frozenset({"randrange", "randint", "shuffle", "choice", "choices", "sample", "uniform", "gauss",
+                          "random", "rand", "randn", "normal", "permutation"})
 
 
 class TrainingLoops:
@@ -202,8 +214,9 @@ class TrainingLoops:
 
     # -- one nest ------------------------------------------------------------------------
     def _sites(self, nest: List[cst.CSTNode]) -> List[BatchSite]:
-        if any(self._covered(loop) for loop in nest):
-            return []
+        covered = next((k for k, loop in enumerate(nest) if self._covered(loop)), None)
+        if covered is not None:  # sharded already; a step counter that ends a loop around it still counts
+            return self._step_counter_sites(nest[covered + 1:], [])
         data_at = next((k for k, loop in enumerate(nest) if self._data_sources(loop, nest[k + 1:])), None)
         outer = nest[data_at + 1:] if data_at is not None else nest
         episodes = [loop for loop in outer if self._counting(loop) and self._steps_environment(loop)]
@@ -211,14 +224,59 @@ class TrainingLoops:
             return self._counter_sites(episodes[-1], nest)
         if data_at is not None:
             loop = nest[data_at]
-            return [BatchSite(loop, expr, "data") for expr in self._data_sources(loop, nest[data_at + 1:])]
+            sites = [BatchSite(loop, expr, "data") for expr in self._data_sources(loop, nest[data_at + 1:])]
+            return self._step_counter_sites(nest[data_at + 1:], sites)
         indexing = next((loop for loop in nest if self._counting(loop) and self._indexes_data(loop)), None)
         if indexing is not None:  # `for i in range(0, len(x), bs): x[i:i + bs]`: a loop over data too
             return self._counter_sites(indexing, nest)
         making = [loop for loop in nest if self._counting(loop) and self._makes_data(loop)]
         if making:
             return self._counter_sites(making[-1], nest)
-        return []
+        return self._step_counter_sites(nest, [])
+
+    def _step_counter_sites(self, outer: List[cst.CSTNode], sites: List[BatchSite]) -> List[BatchSite]:
+        """A `while` loop among `outer` that a step counter ends (`while step < max_steps:`,
+        `it += 1` then `if it >= max_iters: break`): the counter counts WORLD_SIZE steps per
+        iteration (`it = next_step(it)`), so the ranks together take the script's steps once;
+        and, where nothing else shards the data, the loaders its `next()` draws from."""
+        for loop in outer:
+            if not isinstance(loop, cst.While):
+                continue
+            increment = self._step_counter(loop)
+            if increment is None:
+                continue
+            out = [*sites, BatchSite(loop, increment, "step")]
+            if not sites:
+                out += [BatchSite(loop, call.args[0].value, "iterator") for call in self._drawn_iterators(loop)]
+            return out
+        return sites
+
+    def _step_counter(self, loop: cst.While) -> Optional[cst.AugAssign]:
+        """The one `x += 1` in the loop whose `x` its test reads, or a test that leaves it reads
+        (an `if` around a `break`, a `return`, or a flag the loop's test reads)."""
+        increments: Dict[str, List[cst.AugAssign]] = {}
+        for node in self.s.own(loop.body, cst.AugAssign):
+            if isinstance(node.operator, cst.AddAssign) and isinstance(node.value, cst.Integer) and \
+                    node.value.value == "1" and dotted(node.target):
+                increments.setdefault(dotted(node.target), []).append(node)
+        flags = {n.value for n in self.s.index.subtree(loop.test) if isinstance(n, cst.Name)}
+        for name, found in increments.items():
+            if len(found) != 1:
+                continue
+            if name in self._names_read(loop.test):
+                return found[0]
+            for branch in self.s.own(loop.body, cst.If):
+                if name not in self._names_read(branch.test):
+                    continue
+                leaves = self.s.inside(branch.body, (cst.Break, cst.Return)) or any(
+                    isinstance(t.target, cst.Name) and t.target.value in flags
+                    for t in self.s.inside(branch.body, cst.AssignTarget))
+                if leaves:
+                    return found[0]
+        return None
+
+    def _names_read(self, node: cst.CSTNode) -> Set[str]:
+        return {dotted(n) for n in self.s.index.subtree(node) if isinstance(n, (cst.Name, cst.Attribute))} - {None}
 
     def _counter_sites(self, loop: cst.For, nest: List[cst.CSTNode]) -> List[BatchSite]:
         """The counting loop, and the loaders its `next()` draws from (each rank its shard)."""
@@ -411,7 +469,12 @@ class TrainingLoops:
             return True
         if self._environment(call):
             return True
+        name = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else ""
         target = self.s.callee(call)
+        if target is None and not qualified and name in _STAR_RANDOM:
+            return True  # `from random import *`: `randrange(...)`
+        if _DATA_FUNCTION.search(name) and self.model.kind(func) not in (v.MODULE, v.LOSS_MODULE):
+            return True  # `get_batch(...)`, `make_circles(...)`, `sample_episode(...)`: data made per call
         return target is not None and isinstance(target.node, cst.FunctionDef) and \
             bool(self.s.own(target.node, (cst.Yield,)))
 

@@ -31,6 +31,7 @@ from gpumigrate.analysis import values as v
 from gpumigrate.analysis.structure import Function, dotted
 from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.codemods.ddp import sharding
+from gpumigrate.codemods.ddp.reach import interrupt_only
 
 # calls that read a file back (the other ranks must not read before rank 0 wrote it)
 _READERS = frozenset({"torch.load", "imageio.imread", "imageio.v2.imread", "imageio.v3.imread", "PIL.Image.open",
@@ -283,8 +284,8 @@ class RankZero:
         if not self.active or not self.reads_files:
             return out
         for node in self.s.index.of(cst.Try):
-            if not self.uniform(node) or self._on_the_filesystem(node):
-                continue
+            if interrupt_only(node) or not self.uniform(node) or self._on_the_filesystem(node):
+                continue  # (Ctrl-C stops every rank: the barriers inside stay where they are)
             if any(self.model.output_call(c) == "save" for c in self.s.inside(node.body, cst.Call)) and \
                     not self._barrier_follows(node):
                 out.add(id(node))
@@ -321,9 +322,10 @@ class RankZero:
         return out
 
     def _in_logger(self, node: cst.CSTNode) -> bool:
-        """Inside a method of a logger class of this file: its calls are gated instead."""
+        """Inside a method of a logger class of this file: its calls are gated instead (not in
+        a helper module, whose callers are in other files)."""
         fn = self.s.function(node)
-        return fn is not None and fn.cls is not None and self.model._logger_class(fn.cls)
+        return fn is not None and fn.cls is not None and not self.helper_module and self.model._logger_class(fn.cls)
 
     def gated_with_saves(self, node: cst.With) -> bool:
         """A gated `with open(...)` block holding a checkpoint save (GM404's; others GM410's)."""

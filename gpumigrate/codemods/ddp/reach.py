@@ -69,7 +69,7 @@ class Reach:
                     return False
             if isinstance(ancestor, cst.ExceptHandler):
                 return False
-            if isinstance(ancestor, cst.Try) and child is ancestor.body and not _interrupt_only(ancestor):
+            if isinstance(ancestor, cst.Try) and child is ancestor.body and not interrupt_only(ancestor):
                 return False  # an exception on one rank (a folder rank 0 made, a file) skips the rest there
             if isinstance(ancestor, (cst.For, cst.While)) and self._local_exit(ancestor):
                 return False
@@ -188,7 +188,7 @@ class Reach:
         return fn is None or id(fn.node) in self.uniform_functions
 
 
-def _interrupt_only(node: cst.Try) -> bool:
+def interrupt_only(node: cst.Try) -> bool:
     """A `try` whose handlers catch only KeyboardInterrupt (`except KeyboardInterrupt: print(
     'Exiting from training early')`): Ctrl-C stops every rank alike."""
     return bool(node.handlers) and all(
