@@ -78,13 +78,14 @@ class Run:
 
 def run_probe(script: Path, work: Path, nproc: int, args: Sequence[str] = (), probe_args: Sequence[str] = (),
               kind: str = "", env: Optional[Dict[str, str]] = None, timeout: float = TIMEOUT) -> Run:
-    """Copy `script` into `work` and run it there under the probe: `python` for one process,
+    """Copy `script` into `work` (unless it is there) and run it there under the probe: `python` for one process,
     `torchrun --standalone` for more. Its cwd and TMPDIR are inside `work`, so whatever it
     writes (also to tempfile.gettempdir() or mkdtemp) lands there."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "tmp").mkdir(exist_ok=True)
     local = work / script.name
-    shutil.copy(script, local)
+    if local.resolve() != script.resolve():  # a project runs where its modules are
+        shutil.copy(script, local)
     out = work / "probe"
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

@@ -118,8 +118,8 @@ class Runs:
                 assert done.exit_code == 0, done.output
             copies.append(copy)
         if folder not in self.cache:
-            self.cache[folder] = Pair(run_probe(copies[0] / script, copies[0] / "_probe", 1, kind="python"),
-                                      run_probe(copies[1] / script, copies[1] / "_probe", NPROC, kind="torchrun"))
+            self.cache[folder] = Pair(*(run_probe(copy / script, (copy / script).parent, n, kind=kind)
+                                        for copy, n, kind in ((copies[0], 1, "python"), (copies[1], NPROC, "torchrun"))))
         return self.cache[folder], copies[1]
 
 

@@ -192,7 +192,9 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
                     None)
         # and it trains data-parallel there itself (its DDP or FSDP wrap): a group alone, with
         # each rank training by itself, is no path to keep
-        if init is not None and any(self.model.qualify(c.func) in _OWN_WRAPS and self._reached(c, as_written, 0)
+        # (its DDP may be `wrap_model` already: GM413 of a first pass, which keeps the wrap where it is)
+        if init is not None and any((self.model.qualify(c.func) in _OWN_WRAPS or runtime_helper(
+                self.model.qualify(c.func)) in ("wrap_model", "shard_model")) and self._reached(c, as_written, 0)
                                     for c in calls):
             return init
         return None
