@@ -284,12 +284,13 @@ def test_a_script_joining_the_group_itself_does_so_only_where_setup_did_not():
 
 
 def test_a_script_that_distributes_itself_under_torchrun_keeps_its_path():
-    """Its group and its DDP wrap where torchrun runs it as written: no second group, no second
-    wrap, the device changes only, and one note with the launch command."""
+    """Its group, its DDP wrap and its sampler where torchrun runs it as written: no second
+    group, no second wrap, the device changes only, and one note with the launch command."""
     source = HEAD + textwrap.dedent("""\
         import os
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data.distributed import DistributedSampler
         ddp = int(os.environ.get('RANK', -1)) != -1
         if ddp:
             dist.init_process_group(backend='gloo')
@@ -297,8 +298,9 @@ def test_a_script_that_distributes_itself_under_torchrun_keeps_its_path():
         if ddp:
             model = DDP(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = DistributedSampler(train_set) if ddp else None
         for epoch in range(2):
-            for x, y in DataLoader(train_set, batch_size=4):
+            for x, y in DataLoader(train_set, batch_size=4, sampler=sampler):
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()

@@ -144,6 +144,10 @@ class Torchrun:
     def truth(self, test: cst.BaseExpression) -> Optional[bool]:
         return _truth(self._value(test, 0))
 
+    def is_world_size(self, expr: cst.BaseExpression) -> bool:
+        """Is `expr` the number of processes under torchrun (WORLD_SIZE, `get_world_size()`)?"""
+        return self._value(expr, 0) == _AtLeast(_LEAST["WORLD_SIZE"])
+
     def is_none(self, expr: cst.BaseExpression) -> bool:
         """Is `expr` None under torchrun (`args.gpu` of a `--gpu` option not passed)?"""
         return self._value(expr, 0) is None

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from gpumigrate.analysis import script_model
-from gpumigrate.analysis.launch import Torchrun
+from gpumigrate.analysis.launch import DISTRIBUTED_SAMPLERS, Torchrun
 from gpumigrate.analysis.structure import dotted
 from gpumigrate.analysis.syntax import runtime_helper
 from gpumigrate.analysis.values import call_argument
@@ -59,7 +59,8 @@ def _buffer_classes(stateful) -> Set[str]:
 _INIT_GROUP = ("torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group")
 _OWN_WRAPS = ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel",
               "torch.distributed.fsdp.FullyShardedDataParallel", "torch.distributed.fsdp.fully_shard",
-              "torch.distributed._composable.fsdp.fully_shard")
+              "torch.distributed._composable.fsdp.fully_shard", "apex.parallel.DistributedDataParallel",
+              "apex.parallel.distributed.DistributedDataParallel")
 _MAIN_TEST = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
 # Top-level packages that are not the project's own files (for calls the migration cannot read).
 _LIBRARIES = frozenset({
@@ -181,7 +182,8 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         """The script's own `init_process_group` where torchrun runs it as written (`ddp =
         int(os.environ.get('RANK', -1)) != -1` then `if ddp: init_process_group(...)`, through
         the calls of this file that reach it): a script that already distributes itself under
-        torchrun, and wraps its model there itself (DDP, FSDP). Its path is kept whole (its
+        torchrun, wraps its model there itself (DDP, FSDP) and splits the work there (its
+        DistributedSampler, a count divided by the world size). Its path is kept whole (its
         group, its DDP wrap, its split of the work):
         the migration adds no second group and no second wrap. A path torchrun does not take as
         written (`if args.distributed:` from options torchrun does not pass, or a worker that
@@ -193,10 +195,18 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         # and it trains data-parallel there itself (its DDP or FSDP wrap): a group alone, with
         # each rank training by itself, is no path to keep
         # (its DDP may be `wrap_model` already: GM413 of a first pass, which keeps the wrap where it is)
-        if init is not None and any((self.model.qualify(c.func) in _OWN_WRAPS or runtime_helper(
+        if init is None or not any((self.model.qualify(c.func) in _OWN_WRAPS or runtime_helper(
                 self.model.qualify(c.func)) in ("wrap_model", "shard_model")) and self._reached(c, as_written, 0)
-                                    for c in calls):
+                                   for c in calls):
+            return None
+        # and splits the work itself there: its DistributedSampler, or a count divided by the world
+        # size (nanoGPT's gradient accumulation steps); else the migration's sharding is wanted
+        if any(self.model.qualify(c.func) in DISTRIBUTED_SAMPLERS and self._reached(c, as_written, 0) for c in calls):
             return init
+        for node in self.s.index.of(cst.AugAssign):
+            if isinstance(node.operator, (cst.FloorDivideAssign, cst.DivideAssign)) and \
+                    as_written.is_world_size(node.value) and self._reached(node, as_written, 0):
+                return init
         return None
 
     def _reached(self, node: cst.CSTNode, torchrun: Torchrun, depth: int) -> bool:
