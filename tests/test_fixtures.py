@@ -34,7 +34,12 @@ NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
 # ddp goldens that tests/test_ddp_e2e.py and tests/test_patterns_e2e.py run in one process too
 RUN_ELSEWHERE = {"mnist_2019.py", "resnet_dataparallel.py", "dcgan_gan.py", "checkpoint_resume.py",
                  "local_rank_launch.py", "ssd_iterations.py", "classifier_meters.py", "config_finetune.py",
-                 "functional_maml.py", "wordlm_batches.py", "run_dir_main.py"}
+                 "functional_maml.py", "wordlm_batches.py", "run_dir_main.py",
+                 # issue 31's shapes: tests/test_first_contact.py runs their ddp goldens in one process too
+                 "loader_kwargs.py", "train_accuracy_pass.py", "optimizer_helper.py", "random_iterations.py",
+                 "gan_generator_fed.py", "rl_actor_critic.py", "mp_spawn_launcher.py", "device_late_binding.py",
+                 "partial_batches.py", "makedirs_try.py", "td3_two_heads.py", "inline_eval_loader.py",
+                 "val_loss_counter.py"}
 
 
 # The amp migrations' goldens: every mixed-precision fixture, and older fixtures with `.half()`
