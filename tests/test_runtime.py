@@ -121,8 +121,8 @@ def test_several_processes_get_an_accelerator_their_group_can_communicate_on(fak
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.distributed, "get_default_backend_for_device", lambda device: "xccl")
     assert rt.get_device() == torch.device("xpu", 1)
-    assert internals(rt)._default_backend(torch.device("xpu", 1)) == "cpu:gloo,xpu:xccl"
-    assert internals(rt)._default_backend(torch.device("cpu")) == "gloo"
+    assert rt.distributed_backend(torch.device("xpu", 1)) == "cpu:gloo,xpu:xccl"
+    assert rt.distributed_backend(torch.device("cpu")) == "gloo"
 
     def no_backend(device):
         raise RuntimeError(f"no default backend for {device.type}")

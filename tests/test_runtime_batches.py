@@ -5,14 +5,13 @@ every scenario, each rank's records compared with what one process computes."""
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from tests.test_runtime import torchrun
+from tests.test_runtime_uneven import batch, flat, model
 
 RUNNER = """\
 import os, random, sys, threading
@@ -22,7 +21,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
 from tqdm import tqdm
 from gpumigrate.runtime import cleanup_distributed, get_rank, setup_distributed, shard_batches, wrap_model
-from tests.test_runtime_batches import batch, flat, model
+from tests.test_runtime_uneven import batch, flat, model
 
 threading.Thread(target=lambda: (threading.Event().wait(120), os._exit(3)), daemon=True).start()
 setup_distributed()
@@ -91,20 +90,6 @@ cleanup_distributed()  # rank 0, finished, takes part in rank 1's last steps her
 rec["uneven"] = flat(net)
 torch.save(rec, os.path.join(sys.argv[1], "rank{}.pt".format(rank)))
 """
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{step}".encode()))
-    return torch.randn(4, 6, generator=g)
-
-
-def model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def flat(m: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ddp]

@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from gpumigrate.runtime.distributed import (_Shard, _cached_shard, _why_not_sharded, get_rank, get_world_size,
-                                            is_distributed)
+from gpumigrate.runtime.distributed import (_Shard, _cached_shard, _rebuilt_loader, _why_not_sharded, get_rank,
+                                            get_world_size, is_distributed)
 from gpumigrate.runtime.seeding import part_random_streams
 from gpumigrate.runtime.uneven import finish
 
@@ -295,18 +295,7 @@ class _DealtBatches(Sampler):
 
 def _dealt_loader(loader: DataLoader, rank: int, world: int) -> DataLoader:
     """`loader` loading only this rank's batches: its batch sampler's batches dealt out."""
-    options = {}
-    for name in ("pin_memory_device", "in_order"):  # keyword-only, in newer torch
-        if hasattr(loader, name):
-            options[name] = getattr(loader, name)
-    return DataLoader(
-        loader.dataset, batch_sampler=_DealtBatches(loader.batch_sampler, rank, world),
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
-        persistent_workers=loader.persistent_workers and loader.num_workers > 0, **options,
-    )
+    return _rebuilt_loader(loader, batch_sampler=_DealtBatches(loader.batch_sampler, rank, world))
 
 
 def _iterable_dataset(loader: DataLoader) -> bool:

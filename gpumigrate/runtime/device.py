@@ -111,12 +111,12 @@ def get_local_rank() -> int:
     return 0
 
 
-def distributed_backend() -> str:
-    """The `init_process_group` backend for this machine, in place of a hard-coded "nccl":
-    NCCL for CUDA tensors and gloo for CPU ones where there is a GPU the group can use, the
-    device's own backend beside gloo on XPU and the like, gloo alone elsewhere (a laptop, a
-    Mac, a CPU runner)."""
-    device = get_device()
+def distributed_backend(device: Optional[torch.device] = None) -> str:
+    """The `init_process_group` backend for `device` (default: this process's), in place of a
+    hard-coded "nccl": gloo for CPU tensors always, beside NCCL on CUDA and the device's own
+    backend on XPU and the like; gloo alone where the model stays on the CPU (a laptop, a Mac,
+    a CPU runner, a script's own `--no-cuda`)."""
+    device = get_device() if device is None else device
     if device.type == "cpu":
         return "gloo"
     if device.type == "cuda":

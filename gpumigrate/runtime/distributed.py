@@ -31,7 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, _collective_device, agree, finish, shadow
 from gpumigrate.runtime.averaging import _install_averaging, _note_wrapped, _uninstall_averaging
-from gpumigrate.runtime.device import get_device
+from gpumigrate.runtime.device import distributed_backend, get_device
 from gpumigrate.runtime.stalls import watch_stalls
 
 
@@ -124,7 +124,7 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
         torch.accelerator.set_device_index(device.index)
     if not dist.is_initialized():
         dist.init_process_group(
-            backend or _default_backend(device),
+            backend or distributed_backend(device),
             init_method="env://",
             rank=launch.rank,
             world_size=launch.world_size,
@@ -137,16 +137,6 @@ def setup_distributed(use_accelerator: bool = True, backend: Optional[str] = Non
     if average_unwrapped:
         _install_averaging()
     return device
-
-
-def _default_backend(device: torch.device) -> str:
-    """gloo for CPU tensors, and the device's own backend for its tensors (NCCL on CUDA, xccl
-    on XPU): a script whose own `--no-cuda` flag keeps the model on the CPU still works."""
-    if device.type == "cpu":
-        return "gloo"
-    if device.type == "cuda":
-        return "cpu:gloo,cuda:nccl"
-    return f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
 
 
 def cleanup_distributed() -> None:
@@ -813,18 +803,22 @@ def _shard_loader(loader: Any, seed: int, pad: bool, full_batches: bool = False,
     batch_size, drop_last = (batches.batch_size, batches.drop_last) if batches is not None else (None, False)
     if full_batches and batch_size and len(sampler) >= batch_size:  # type: ignore[arg-type]
         drop_last = True  # this rank's last partial batch: every rank has as many, none a shape the loop lacks
+    return _rebuilt_loader(loader, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
+
+
+def _rebuilt_loader(loader: DataLoader, **sampling: Any) -> DataLoader:
+    """A DataLoader over `loader`'s dataset, loading as it does, sampling as `sampling` says."""
     options = {}
     for name in ("pin_memory_device", "in_order"):  # keyword-only, in newer torch
         if hasattr(loader, name):
             options[name] = getattr(loader, name)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=drop_last,
+        loader.dataset, num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
         # without workers DataLoader refuses a prefetch factor, which torch < 2.0 stored as 2 anyway
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
-        persistent_workers=loader.persistent_workers and loader.num_workers > 0, **options,
+        persistent_workers=loader.persistent_workers and loader.num_workers > 0, **sampling, **options,
     )
 
 
