@@ -386,6 +386,24 @@ def test_a_writer_read_on_every_rank_stays_on_every_rank():
     assert any("`self.writer.log_dir` is read outside its writes" in n for n in notes)
 
 
+def test_a_writer_with_a_directory_handed_on_is_muted_on_the_other_ranks(tmp_path):
+    """Practice corpus (an RL agent): `writer = SummaryWriter(log_path)` handed to `agent.train`,
+    which writes from a sibling module. Kept real on every rank, rank 1 wrote a second copy of
+    the events and raced rank 0 to make the directory (tensorboardX: FileExistsError)."""
+    src = WRITER.replace("SummaryWriter()", "SummaryWriter(log_dir='runs/a')").format(use="report(self.writer)")
+    out, _, notes = ddp(src, notes=True)
+    assert "self.writer = SummaryWriter(log_dir='runs/a') if is_main_process() else muted_writer(log_dir='runs/a')" in out
+    assert any("the other ranks get one that writes nothing" in n for n in notes)
+    # what the other ranks hold: its directory, and every method a no-op
+    from gpumigrate.runtime import muted_writer
+    for writer in (muted_writer(str(tmp_path / "w")), muted_writer(log_dir=str(tmp_path / "w")),
+                   muted_writer(logdir=str(tmp_path / "w"), flush_secs=5)):
+        assert writer.log_dir == writer.get_logdir() == str(tmp_path / "w")
+        with writer as w:
+            assert w.add_scalar("loss", 1.0, 0) is None and w.flush() is None
+    assert not (tmp_path / "w").exists()
+
+
 def test_a_writer_only_written_to_is_made_on_rank_0():
     out, _ = ddp(WRITER.format(use="pass"))
     assert "self.writer = SummaryWriter() if is_main_process() else None" in out

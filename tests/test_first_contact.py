@@ -47,6 +47,7 @@ PROJECTS = {
     "syspath_project": ("scripts/train.py", "4: training reached through sys.path.append of the parent folder"),
     "own_torchrun": ("train.py", "5: a script that already runs under torchrun"),
     "helper_prints": ("train.py", "8: prints and a timestamped run folder in an unmigrated-looking helper module"),
+    "agent_step_budget": ("train.py", "3: an agent class's step budget over episodes of different lengths, clipped"),
 }
 LOW, HIGH = 0.3, 0.7  # "about 1/N" for N = 2
 
@@ -152,3 +153,16 @@ def test_a_timestamped_run_folder_is_made_once(runs):
     assert "    if is_main_process():\n        os.makedirs(path, exist_ok=False)" in (project / "utils.py").read_text()
     assert "Total number of parameters" in pair.ddp.ranks[0]["stdout"]
     assert "Total number of parameters" not in pair.ddp.ranks[1]["stdout"]
+
+
+def test_ranks_that_step_unevenly_meet_where_the_loop_ends(runs):
+    """Episodes of different lengths: the ranks take different numbers of steps. At the loop's
+    end (`join_ranks()`) they agree on the last rank's state, before the checkpoint."""
+    pair, project = runs.project("agent_step_budget")
+    agent = (project / "agent.py").read_text()
+    assert "                self.update(state, action, reward, next_state, done)\n" in agent
+    assert "                state = next_state\n" in agent and "        join_ranks()\n        if is_main_process():\n" \
+        "            torch.save(" in agent
+    assert "@torch.no_grad()\n    def __eval" not in agent, "a method that only switches modes needs no no_grad"
+    backwards = [pair.ddp.ranks[r]["backwards"] for r in range(NPROC)]  # a finished rank steps with no backward
+    assert backwards[0] != backwards[1], f"the fixture should step unevenly: {backwards}"

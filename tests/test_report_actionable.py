@@ -41,6 +41,16 @@ def test_ddp_report_gives_the_launch_command_and_the_runtime_dependency(tmp_path
     assert f"next: launch: `torchrun --nproc_per_node=NUM_GPUS {script} ARGS`" in output
 
 
+def test_only_the_script_is_launched_not_the_module_it_imports(tmp_path):
+    project = tmp_path / "p"
+    shutil.copytree(FIXTURES / "projects" / "agent_step_budget", project)
+    run = CliRunner().invoke(cli.main, [str(project), "--to", "ddp", "--no-cache"])
+    assert run.exit_code == 0, run.output
+    launches = [line for line in run.output.splitlines() if line.startswith("next: launch:")]
+    assert launches == [f"next: launch: `torchrun --nproc_per_node=NUM_GPUS {project / 'train.py'} ARGS` "
+                        f"(`python {project / 'train.py'} ARGS` still runs it in one process)"], run.output
+
+
 def test_amp_report_says_what_gpumigrate_amp_does(tmp_path):
     _, output, report = _migrate(tmp_path, "--to", "amp")
     assert "`GPUMIGRATE_AMP=off` trains in float32" in report

@@ -24,8 +24,11 @@ def next_steps(results: Sequence[Any], target: str) -> List[str]:
     steps: List[str] = []
     chosen = target_bases(target)
     if "ddp" in chosen:
+        # a module its script imports (an agent class, a trainer) joins the group through the
+        # script: only files that set it up or run as `__main__` are launched
         launched = [r.path for r in done if any(f.code == "GM400" and f.fixed for f in r.findings)
-                    and not any(f.not_applied == "ddp" for f in r.findings)]
+                    and not any(f.not_applied == "ddp" for f in r.findings)
+                    and (_imports(r, "setup_distributed(") or _imports(r, "__main__"))]
         for path in launched[:5]:
             steps.append(f"launch: `torchrun --nproc_per_node=NUM_GPUS {path} ARGS` "
                          f"(`python {path} ARGS` still runs it in one process)")

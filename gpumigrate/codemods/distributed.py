@@ -508,11 +508,14 @@ class DistributedSamplerRule(Rule):
         self.loop_sites: dict = {}  # id(original For) -> its BatchSites (data, counter)
         self.iter_sites: dict = {}  # id(original expression in `iter(...)`) -> its BatchSite
         self.step_sites: set = set()  # ids of `x += 1` step counters
+        self.join_loops: set = set()  # ids of the `while` loops they end, where `join_ranks()` follows
         for site in (self.plan.batch_sites.values() if self.plan.active else ()):
             if site.kind == "iterator":
                 self.iter_sites[id(site.expr)] = site
             elif site.kind == "step":
                 self.step_sites.add(id(site.expr))
+                if self.plan.uneven_steps is not None:  # the ranks may step unevenly: they meet at its end
+                    self.join_loops.add(id(site.loop))
             else:
                 self.loop_sites.setdefault(id(site.loop), []).append(site)
 
@@ -670,7 +673,18 @@ class DistributedSamplerRule(Rule):
         body = updated.body
         return updated.with_changes(body=body.with_changes(body=[*calls, *body.body]))
 
-    leave_For = leave_While = _loop
+    leave_For = _loop
+
+    def leave_While(self, original: cst.While, updated: cst.While):
+        loop = self._loop(original, updated)
+        if id(original) not in self.join_loops or original.orelse is not None:
+            return loop
+        self.report(original, "the ranks may take different numbers of optimizer steps in this loop (their episodes "
+                              "or data differ): they meet at its end (`join_ranks()`), where a rank that finished "
+                              "first takes part in the others' steps, then every rank takes the training state of "
+                              "the last one")
+        parts = list(loop.nodes) if isinstance(loop, cst.FlattenSentinel) else [loop]
+        return cst.FlattenSentinel([*parts, _line(_call(self.ctx, "join_ranks", (), self.fixing))])
 
     def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
         """`it += 1` of the step counter that ends a `while` loop: `it = next_step(it)`."""
@@ -1924,7 +1938,16 @@ class RankZeroOutput(_BlockRule):
         parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
         if qualified.endswith("SummaryWriter") and isinstance(parent, cst.Assign):
             read = self._read_on_every_rank(parent)
-            if read is not None:  # None on the other ranks would fail there: it stays, its writes are gated
+            named = updated.args and (updated.args[0].keyword is None and not updated.args[0].star or
+                                      get_arg(updated, "log_dir") is not None or get_arg(updated, "logdir") is not None)
+            if read is not None and named:
+                # None there would fail; a real writer would copy every event and race rank 0 to
+                # make the directory: the others get a writer that writes nothing, with its log_dir
+                self.report(original, f"TensorBoard writer on every rank: `{read}` is read outside its writes; "
+                                      "created on rank 0, the other ranks get one that writes nothing")
+                muted = updated.with_changes(func=_call(self.ctx, "muted_writer").func)
+                return cst.IfExp(test=_call(self.ctx, "is_main_process"), body=updated, orelse=muted)
+            if read is not None:  # no directory named: rank 0 makes its own, which the others cannot know
                 self.report(original, f"TensorBoard writer kept on every rank: `{read}` is read outside its "
                                       "writes; only the writes run on rank 0")
                 return None

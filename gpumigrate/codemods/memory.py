@@ -333,6 +333,8 @@ class _EvalPlan:
             return False
         if named and not evals and func.name.value.startswith("test_") and self.model.s.own(func, cst.Assert):
             return False  # a pytest test, not an evaluation
+        if all(m.matches(c.func, m.Attribute(attr=m.Name("eval") | m.Name("train"))) for c in findall(func.body, m.Call())):
+            return False  # `def _eval(self): self.actor.eval()`: it only switches modes, no graph to save
         fn = self.model.s.functions.get(id(func))
         return fn is not None and not self.model.function_trains(fn) and not self.model.under_no_grad(func) \
             and not self._no_grad_inside(func)
@@ -422,6 +424,7 @@ class EvalWithoutNoGrad(Rule):
         Clean("import torch\ndef test(model, x):\n    model.eval()\n    with torch.inference_mode():\n        return model(x)\n"),
         Clean("def validate(model, x):\n    model.eval()\n    loss = model(x).sum()\n    loss.backward()\n"),
         Clean("def test_shapes():\n    assert f(1) == 1\n"),
+        Clean("class Agent:\n    def _eval(self):\n        self.actor.eval()\n        self.critic.eval()\n"),
         Clean("model.eval()\nmodel.train()\nfor x in loader:\n    model(x)\n"),
     )
 

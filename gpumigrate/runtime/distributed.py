@@ -29,8 +29,8 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
                               SequentialSampler, SubsetRandomSampler)
 from torch.utils.data.distributed import DistributedSampler
 
-from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, _collective_device, agree, finish, shadow
-from gpumigrate.runtime.averaging import _install_averaging, _note_wrapped, _uninstall_averaging
+from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, _collective_device, _settlers, agree, finish, shadow
+from gpumigrate.runtime.averaging import _OPTIMIZERS, _PLAN, _install_averaging, _note_wrapped, _uninstall_averaging
 from gpumigrate.runtime.device import distributed_backend, get_device
 from gpumigrate.runtime.stalls import watch_stalls
 
@@ -511,6 +511,52 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
+class _MutedWriter:
+    """What a TensorBoard writer is on the ranks other than 0 where the script hands it on or
+    reads it (`train(model, loader, writer)`, `writer.log_dir`): every method call does
+    nothing, wherever it is made (a helper module's `writer.add_scalar`), and its directory is
+    the one rank 0 writes to. A real writer there would write a second copy of every event, and
+    create that directory as rank 0 does (tensorboardX's check-then-`makedirs` fails when both
+    ranks get there together)."""
+
+    def __init__(self, log_dir: Any = None, *args: Any, **kwargs: Any) -> None:
+        self.log_dir = self.logdir = kwargs.get("log_dir", kwargs.get("logdir", log_dir))
+
+    def get_logdir(self) -> Any:
+        return self.log_dir
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _ignore
+
+    def __enter__(self) -> "_MutedWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def muted_writer(*args: Any, **kwargs: Any) -> Any:
+    """A TensorBoard writer for a rank other than 0 (`SummaryWriter(path) if is_main_process()
+    else muted_writer(path)`): takes the writer's arguments, writes nothing, makes no
+    directory, and has the `log_dir` it was given."""
+    return _MutedWriter(*args, **kwargs)
+
+
+def join_ranks() -> None:
+    """The end of a training loop whose ranks may take different numbers of optimizer steps
+    (episodes of different lengths): a rank that gets here first takes part in the others'
+    steps until every rank is here, and every rank then has the parameters and optimizer
+    state of one that took them all. Every rank must get here. A no-op in one process."""
+    if is_distributed():
+        finish()
+
+
 def barrier() -> None:
     """Wait for every rank; a no-op in one process. Never call it on rank 0 only."""
     if is_distributed():
@@ -871,6 +917,46 @@ def _receive_object(src: int) -> Any:
     dist.broadcast(data, src=src)
     data = data.cpu().contiguous()
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # the bytes, copied out
+
+
+def _take_training_state(source: int) -> None:
+    """After uneven steps (uneven.py's `finish`): every optimizer's parameters, state and
+    param_groups, and the BatchNorm statistics of what it trains, as rank `source` has them.
+    Matched by the optimizers' numbers (their order of construction, alike on every rank)."""
+    live = {number: ref() for number, ref in _OPTIMIZERS.values() if ref() is not None}
+    payload = None
+    if get_rank() == source:
+        payload = {}
+        for number, optimizer in live.items():
+            plan = optimizer.__dict__.get(_PLAN)
+            payload[number] = (_to_cpu(optimizer.state_dict()),
+                               [p.detach().cpu() for g in optimizer.param_groups for p in g["params"]],
+                               [b.detach().cpu() for b in (plan.buffers if plan is not None else ())])
+    payload = broadcast_object(payload, src=source)
+    for number, (state, params, buffers) in payload.items():
+        optimizer = live.get(number)
+        if optimizer is None or get_rank() == source:
+            continue
+        mine = [p for g in optimizer.param_groups for p in g["params"]]
+        plan = optimizer.__dict__.get(_PLAN)
+        theirs = list(plan.buffers) if plan is not None else []
+        with torch.no_grad():
+            for here, there in [*zip(mine, params), *(zip(theirs, buffers) if len(theirs) == len(buffers) else ())]:
+                here.copy_(there)
+        optimizer.load_state_dict(state)  # moves the state to its parameters' devices
+
+
+_settlers.append(_take_training_state)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def set_epoch(loader: Any, epoch: Optional[int] = None) -> None:

@@ -151,6 +151,11 @@ def _shadow_reduce(numel: int) -> None:
     _collective(torch.zeros(numel, dtype=torch.float64))
 
 
+# Run on every rank once all have finished, given a rank that finished last (and so took
+# every step): brings this rank's training state to that rank's (distributed.py registers it).
+_settlers: List[Callable[[int], None]] = []
+
+
 def finish() -> Optional[int]:
     """On a rank whose script has ended normally: take part in the other ranks' collectives
     until every rank has finished. Returns how many collectives it took part in (None when
@@ -162,9 +167,17 @@ def finish() -> Optional[int]:
         rows = _exchange(0, 0, 0)
         running = {(k, y) for state, k, y in rows if state}
         if not running:
-            return count
+            break
         if len(running) > 1:
             raise RuntimeError("gpumigrate.runtime: the ranks still running are out of step: " + _describe(rows))
         kind, key = running.pop()
         _shadows[kind](key)
         count += 1
+    # A rank that stepped with the others' mean gradients did not do what they did between the
+    # average and the step (clip the averaged gradients, change the lr): where any rank took
+    # part in others' collectives, every rank takes the state of the first that took part in none.
+    counts = [state for state, _, _ in _exchange(count, 0, 0)]
+    if any(counts):
+        for settle in _settlers:
+            settle(counts.index(0))
+    return count
