@@ -922,40 +922,68 @@ def _receive_object(src: int) -> Any:
 def _take_training_state(source: int) -> None:
     """After uneven steps (uneven.py's `finish`): every optimizer's parameters, state and
     param_groups, and the BatchNorm statistics of what it trains, as rank `source` has them.
-    Matched by the optimizers' numbers (their order of construction, alike on every rank)."""
+    Matched by the optimizers' numbers (their order of construction, alike on every rank).
+    The layout goes as one object, the tensors by `dist.broadcast` (pickled, each tensor would
+    be a `torch.save` of its own)."""
     live = {number: ref() for number, ref in _OPTIMIZERS.values() if ref() is not None}
-    payload = None
+    tensors: list = []
+    layout = None
     if get_rank() == source:
-        payload = {}
+        layout = {}
         for number, optimizer in live.items():
             plan = optimizer.__dict__.get(_PLAN)
-            payload[number] = (_to_cpu(optimizer.state_dict()),
-                               [p.detach().cpu() for g in optimizer.param_groups for p in g["params"]],
-                               [b.detach().cpu() for b in (plan.buffers if plan is not None else ())])
-    payload = broadcast_object(payload, src=source)
-    for number, (state, params, buffers) in payload.items():
+            params = [p.detach() for g in optimizer.param_groups for p in g["params"]]
+            buffers = list(plan.buffers) if plan is not None else []
+            layout[number] = (_slots(optimizer.state_dict(), tensors), _slots(params, tensors), _slots(buffers, tensors))
+        layout = (layout, [(tuple(t.shape), t.dtype) for t in tensors])
+    layout, specs = broadcast_object(layout, src=source)
+    device = _collective_device()
+    received = []
+    for k, (shape, dtype) in enumerate(specs):
+        here = tensors[k].detach().to(device).contiguous() if tensors else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(here, src=source)
+        received.append(here)
+    if get_rank() == source:
+        return
+    for number, (state, params, buffers) in layout.items():
         optimizer = live.get(number)
-        if optimizer is None or get_rank() == source:
+        if optimizer is None:
             continue
-        mine = [p for g in optimizer.param_groups for p in g["params"]]
         plan = optimizer.__dict__.get(_PLAN)
+        mine = [p for g in optimizer.param_groups for p in g["params"]]
         theirs = list(plan.buffers) if plan is not None else []
+        pairs = [*zip(mine, params), *(zip(theirs, buffers) if len(theirs) == len(buffers) else ())]
         with torch.no_grad():
-            for here, there in [*zip(mine, params), *(zip(theirs, buffers) if len(theirs) == len(buffers) else ())]:
-                here.copy_(there)
-        optimizer.load_state_dict(state)  # moves the state to its parameters' devices
+            for here, slot in pairs:
+                here.copy_(received[slot])
+        optimizer.load_state_dict(_filled(state, received))  # moves the state to its parameters' devices
 
 
 _settlers.append(_take_training_state)
 
 
-def _to_cpu(obj: Any) -> Any:
+class _Slot(int):
+    """Where a tensor of `_take_training_state`'s layout is, in the tensors broadcast after it."""
+
+
+def _slots(obj: Any, tensors: list) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _slots(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(_slots(v, tensors) for v in obj)
+    return obj
+
+
+def _filled(obj: Any, received: list) -> Any:
+    if isinstance(obj, _Slot):
+        return received[obj].cpu()
+    if isinstance(obj, dict):
+        return {k: _filled(v, received) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_filled(v, received) for v in obj)
     return obj
 
 
