@@ -299,3 +299,35 @@ def test_a_memory_bank_from_a_project_module_is_reported_unless_it_gathers_itsel
     assert result.exit_code == 0, result.output
     said = [l for l in result.output.splitlines() if "keeps state in buffers" in l]
     assert len(said) == 1 and "`Bank`" in said[0] and "train.py:12:" in said[0]  # the line in the file as written, result.output
+
+
+def test_a_helper_two_imports_away_prints_on_rank_0_and_a_second_run_changes_nothing(tmp_path):
+    """Practice corpus: main.py imports solver.py (a trainer module), which imports network.py,
+    whose init_weights() prints. The print ran on every rank; and a module that the migration
+    gave `device = get_device()` counted as a script on the next run, whose imports then
+    became helpers: the second run gated what the first had not."""
+    project = tmp_path / "p"
+    project.mkdir()
+    (project / "network.py").write_text(
+        "import torch.nn as nn\n\n\ndef init_weights(net):\n    print('initialize network')\n"
+        "    net.apply(lambda m: None)\n")
+    (project / "helpers.py").write_text("def banner(text):\n    print('=' * 10, text)\n")
+    (project / "solver.py").write_text(
+        "import torch\nimport torch.nn as nn\nfrom network import init_weights\nfrom helpers import banner\n\n\n"
+        "class Solver:\n    def __init__(self, loader):\n        self.net = nn.Linear(4, 1).cuda()\n"
+        "        init_weights(self.net)\n        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)\n"
+        "        self.loader = loader\n\n    def train(self):\n        banner('train')\n"
+        "        for x, y in self.loader:\n            self.opt.zero_grad()\n"
+        "            loss = (self.net(x.cuda()) - y.cuda()).pow(2).mean()\n            loss.backward()\n"
+        "            self.opt.step()\n")
+    (project / "main.py").write_text(
+        "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\nfrom solver import Solver\n\n"
+        "data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))\n"
+        "Solver(DataLoader(data, batch_size=4, shuffle=True)).train()\n")
+    done = _cli(project, "--to", "ddp")
+    assert done.exit_code == 0, done.output
+    files = _snapshot(project)
+    assert "    if is_main_process():\n        print('initialize network')\n" in files["network.py"]
+    assert "    if is_main_process():\n        print('=' * 10, text)\n" in files["helpers.py"]
+    done = _cli(project, "--to", "ddp", "--check")
+    assert done.exit_code == 0 and _snapshot(project) == files, f"a second run changes the project:\n{done.output}"

@@ -172,13 +172,13 @@ class DdpSetup(Rule):
 
     def visit_Module(self, node: cst.Module) -> None:
         self.plan = ddp_plan(self.ctx)
+        self.wraps = {}
         if not self.plan.script:
             if self.plan.lone_trainer:
                 self.report(self.ctx.module.body[0], self.plan.lone_trainer, review=True, not_applied="ddp")
             return
         self.plan.active  # noqa: B018  (decides, and records why not)
         if self.plan.active:
-            self.wraps = {}
             for wrap in self.plan.wraps:
                 if not wrap.existing:
                     self.wraps.setdefault(id(wrap.anchor), []).append(wrap)

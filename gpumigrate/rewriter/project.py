@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from gpumigrate.rewriter.vendor import RUNTIME_PACKAGE, VENDORED_MODULE
+
 _SCAN_LIMIT = 300  # files of one folder read to find who imports a file (a vendored tree is no project)
 _ROOTS_UP = 3  # folders above a file where `import pkg.mod` may be rooted
 
@@ -202,8 +204,15 @@ def _candidates(base: Path, parts: List[str], names: Sequence[str]) -> List[Path
 
 def _runs_code(tree: ast.Module) -> bool:
     """Does running the file as a script do anything beyond defining things: a main block,
-    or module-level statements other than imports, definitions, docstrings and constants?"""
+    or module-level statements other than imports, definitions, docstrings and constants?
+    The line a migration adds to a module (`device = get_device()`) keeps it a module: else a
+    second run would see a new script, and what it imports would change."""
+    runtime = {alias.asname or alias.name for stmt in tree.body if isinstance(stmt, ast.ImportFrom)
+               and stmt.module in (RUNTIME_PACKAGE, VENDORED_MODULE) for alias in stmt.names}
     for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
+                isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in runtime and not stmt.value.args:
+            continue
         if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
                              ast.Pass)):
             continue
@@ -229,7 +238,7 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
     # Trainer`, where trainer/__init__.py takes it from trainer/loop.py): a module's importers
     # beyond its own folder (a script in scripts/ that puts the project root on sys.path)
     run_scripts = [m for m in (reader.get(p) for p in in_run) if m is not None and m.script]
-    reached = {m.path: _through_packages(m.imports, reader) for m in run_scripts}
+    reached = {m.path: _reached(m, reader) for m in run_scripts}
     for raw in paths:
         path = Path(raw).resolve()
         module = reader.get(path)
@@ -249,6 +258,23 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
             out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)),
                                starred)
     return out
+
+
+def _reached(script: _Module, reader: _Reader, depth: int = 3) -> Set[Path]:
+    """The project modules a script's run imports, through the modules it imports (a solver
+    that imports the network module, whose helpers print), to `depth` imports away."""
+    found: Set[Path] = set()
+    layer = _through_packages(script.imports, reader)
+    for _ in range(depth):
+        layer = [p for p in layer if p not in found and p != script.path]
+        found.update(layer)
+        nxt: List[Path] = []
+        for path in layer:
+            module = reader.get(path)
+            if module is not None and not module.script:  # a script it imports runs its own program
+                nxt.extend(_through_packages(module.imports, reader))
+        layer = nxt
+    return found
 
 
 def _through_packages(imports: Sequence[Path], reader: _Reader) -> List[Path]:
