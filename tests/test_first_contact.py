@@ -47,6 +47,7 @@ PROJECTS = {
     "syspath_project": ("scripts/train.py", "4: training reached through sys.path.append of the parent folder"),
     "own_torchrun": ("train.py", "5: a script that already runs under torchrun"),
     "helper_prints": ("train.py", "8: prints and a timestamped run folder in an unmigrated-looking helper module"),
+    "gan_step_methods": ("train.py", "3/4: a GAN class's step methods fed by a generator, its module on sys.path"),
     "agent_step_budget": ("train.py", "3: an agent class's step budget over episodes of different lengths, clipped"),
 }
 LOW, HIGH = 0.3, 0.7  # "about 1/N" for N = 2
@@ -166,3 +167,14 @@ def test_ranks_that_step_unevenly_meet_where_the_loop_ends(runs):
     assert "@torch.no_grad()\n    def __eval" not in agent, "a method that only switches modes needs no no_grad"
     backwards = [pair.ddp.ranks[r]["backwards"] for r in range(NPROC)]  # a finished rank steps with no backward
     assert backwards[0] != backwards[1], f"the fixture should step unevenly: {backwards}"
+
+
+def test_a_loop_around_a_modules_step_methods_is_sharded_where_it_counts(runs):
+    """The GAN class takes one step per call and draws from the generator it is handed: the
+    script's counting loop is the training loop (its module reached through sys.path.insert
+    of a subfolder)."""
+    _, project = runs.project("gan_step_methods")
+    train = (project / "train.py").read_text()
+    assert "for iter_idx in shard_batches(range(1, args.iters + 1)):" in train
+    module = (project / "nn" / "toy_gan.py").read_text()
+    assert "        self.discriminator = wrap_model(self.discriminator)\n" in module  # the module was read as one program

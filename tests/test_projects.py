@@ -4,6 +4,7 @@ with `gpumigrate DIR --to ddp`, then run under python and under torchrun with th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Tuple
@@ -331,3 +332,20 @@ def test_a_helper_two_imports_away_prints_on_rank_0_and_a_second_run_changes_not
     assert "    if is_main_process():\n        print('=' * 10, text)\n" in files["helpers.py"]
     done = _cli(project, "--to", "ddp", "--check")
     assert done.exit_code == 0 and _snapshot(project) == files, f"a second run changes the project:\n{done.output}"
+
+
+def test_a_subfolder_put_on_sys_path_roots_the_imports_and_step_methods_are_named(tmp_path):
+    from gpumigrate.rewriter.project import projects
+
+    (tmp_path / "nn").mkdir()
+    (tmp_path / "nn" / "gans.py").write_text(
+        "class GAN:\n    def optimize_D(self, gen):\n        loss = self.d(next(gen))\n        loss.backward()\n"
+        "        self.opt.step()\n\n    def fit(self, loader):\n        for x in loader:\n"
+        "            self.d(x).backward()\n")
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nhere = '/'.join(os.path.realpath(__file__).split('/')[:-1])\n"
+        "sys.path.insert(0, here + '/nn/')\nfrom gans import GAN\nGAN().fit([])\n")
+    found = projects([str(tmp_path / "train.py"), str(tmp_path / "nn" / "gans.py")])
+    (link,) = found[str(tmp_path / "train.py")].imports
+    assert link.path.endswith("gans.py") and link.steps == ("optimize_D",)  # fit() loops: not one step
+    assert [i.path for i in found[str(tmp_path / "nn" / "gans.py")].importers] == [os.path.relpath(tmp_path / "train.py")]

@@ -270,6 +270,15 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         return not self.model.has_training and any(link.in_run for link in self.drivers) and \
             any(self.model.output_call(c) for c in self.s.index.of(cst.Call))
 
+    def _one_step(self, call: cst.CSTNode) -> bool:
+        """A backward call under no loop of its own function (one call, one step)."""
+        for ancestor in self.s.ancestors(call):
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
+                return isinstance(ancestor, cst.FunctionDef)
+            if isinstance(ancestor, (cst.For, cst.While)):
+                return False
+        return False
+
     def _decline(self, where: cst.CSTNode, why: str) -> None:
         self.reviews.append((where, why))
         self.declined.add(why)
@@ -311,7 +320,13 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         covered = [call for call in self.model.backward_calls
                    if any(a is loop for loop, _ in splits for a in self.s.ancestors(call))]
         items.extend(self.batch_reviews())
+        stepped_by = [link.path for link in self.drivers if link.in_run]
         if self.unsharded_data and len(covered) < len(self.model.backward_calls) and not self.batch_sites \
+                and not self.counted_loops and stepped_by and all(self._one_step(c) for c in self.model.backward_calls):
+            items.append((first, f"this module takes one training step per call; the loop that repeats it is in "
+                                 f"{stepped_by[0]}, whose report says whether it is sharded there (`shard_batches`: "
+                                 "each rank takes its share of the steps) or why not"))
+        elif self.unsharded_data and len(covered) < len(self.model.backward_calls) and not self.batch_sites \
                 and not self.counted_loops:
             items.append((first, "training data does not come from a DataLoader the migration can follow: it is not sharded; every rank "
                                  "draws its batches as the script does (the same ones where their order is seeded alike, "

@@ -485,7 +485,9 @@ class DistributedSamplerRule(Rule):
     message = "each rank must see its own part of the data, in a new order each epoch"
     fixed_in = frozenset({"ddp"})
     lint = False
-    triggers = ("DataLoader", "backward", "step")  # step: a loader from elsewhere feeding training
+    # step: a loader from elsewhere feeding training; range/while/next: a driver's loop whose
+    # steps are in a module of its project (`for it in range(n): model.optimize(gen)`)
+    triggers = ("DataLoader", "backward", "step", "range(", "while ", "next(")
     examples = (
         Flagged(
             "import torch\nfrom torch.utils.data import DataLoader\n"

@@ -44,6 +44,7 @@ class Link:
     defines: Tuple[str, ...] = ()
     methods: Tuple[str, ...] = ()
     stateful: Tuple[str, ...] = ()
+    steps: Tuple[str, ...] = ()  # functions and methods that take one training step (`_step_functions`)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class _Module:
     star_imports: Tuple[Path, ...] = ()  # what `from X import *` takes all the names of
     methods: Tuple[str, ...] = ()
     stateful: Tuple[str, ...] = ()
+    steps: Tuple[str, ...] = ()
 
 
 class _Reader:
@@ -110,8 +112,9 @@ def _read(path: Path) -> Optional[_Module]:
             imported.append((node.level, node.module or "", tuple(a.name for a in node.names)))
     found: List[Path] = []
     starred: List[Path] = []
+    extra = _path_folders(tree, path)
     for level, module, names in imported:
-        for target in _resolve(path, level, module, names):
+        for target in _resolve(path, level, module, names, extra):
             if target not in found and target != path.resolve():
                 found.append(target)
             if names == ("*",) and target not in starred:
@@ -122,7 +125,29 @@ def _read(path: Path) -> Optional[_Module]:
                    _runs_code(tree), found, defines, tuple(starred),
                    tuple(sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
                                 for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))),
-                   stateful_classes(tree))
+                   stateful_classes(tree), _step_functions(tree))
+
+
+def _step_functions(tree: ast.Module) -> Tuple[str, ...]:
+    """The names of the functions and methods that call `.backward()` outside any loop of
+    their own (`def optimize_D(self, gen): ... loss.backward(); self.opt.step()`): one call
+    is one training step, so a script's loop around the calls is the training loop."""
+    out: Set[str] = set()
+
+    def visit(node: ast.AST, fn: Optional[str], looped: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name, False)
+            elif isinstance(child, (ast.ClassDef, ast.Lambda)):
+                visit(child, None, False)
+            else:
+                if fn and not looped and isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and \
+                        child.func.attr == "backward":
+                    out.add(fn)
+                visit(child, fn, looped or isinstance(child, (ast.For, ast.While, ast.AsyncFor)))
+
+    visit(tree, None, False)
+    return tuple(sorted(out))
 
 
 def _parse(data: bytes) -> ast.Module:
@@ -175,15 +200,39 @@ def _self_attr(node: ast.AST) -> str:
         node.value.id == "self" else ""
 
 
-def _resolve(importer: Path, level: int, module: str, names: Sequence[str]) -> Iterable[Path]:
+def _path_folders(tree: ast.Module, path: Path) -> List[Path]:
+    """Folders below the file's own that it puts on sys.path (`sys.path.insert(0, here +
+    '/nn/')`, `sys.path.append(os.path.join(os.path.dirname(__file__), 'lib'))`): its
+    absolute imports may be rooted there. Only existing folders, named by a string literal."""
+    out: List[Path] = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and
+                node.func.attr in ("insert", "append") and isinstance(node.func.value, ast.Attribute) and
+                node.func.value.attr == "path" and isinstance(node.func.value.value, ast.Name) and
+                node.func.value.value.id == "sys"):
+            continue
+        for arg in node.args:
+            for const in ast.walk(arg):
+                if not isinstance(const, ast.Constant) or not isinstance(const.value, str):
+                    continue
+                parts = [part for part in const.value.replace("\\", "/").split("/") if part not in ("", ".")]
+                if parts and ".." not in parts:
+                    folder = path.resolve().parent.joinpath(*parts)
+                    if folder.is_dir() and folder not in out:
+                        out.append(folder)
+    return out
+
+
+def _resolve(importer: Path, level: int, module: str, names: Sequence[str],
+             extra: Sequence[Path] = ()) -> Iterable[Path]:
     """The project files an import may name: relative imports from the importer's package,
-    absolute ones from its folder or a folder a few levels above (a project run from its
-    root). Only files that exist; never installed packages."""
+    absolute ones from folders it puts on sys.path, its folder or a folder a few levels above
+    (a project run from its root). Only files that exist; never installed packages."""
     parts = module.split(".") if module else []
     if level:
         bases = [importer.resolve().parents[level - 1]] if level - 1 < len(importer.resolve().parents) else []
     else:
-        bases = list(importer.resolve().parents)[:_ROOTS_UP + 1]
+        bases = [*extra, *list(importer.resolve().parents)[:_ROOTS_UP + 1]]
     for base in bases:
         for candidate in _candidates(base, parts, names):
             if candidate.is_file():
@@ -322,7 +371,7 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
     except ValueError:  # another drive
         shown = str(module.path)
     return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines,
-                module.methods, module.stateful)
+                module.methods, module.stateful, module.steps)
 
 
 def project_files(path: str) -> List[Path]:

@@ -84,7 +84,8 @@ class Sharding:
         made (a factory, a config, a project's Optimizer subclass stepped by `first_step()` and
         `second_step()`: its base optimizer's step is hooked too). Training by hand (no
         optimizer step at all) has no step to average at: its data stays whole."""
-        return self.active and (bool(self.model.optimizers) or self._driven_by_optimizers or self._steps_an_optimizer)
+        return self.active and (bool(self.model.optimizers) or self._driven_by_optimizers or self._steps_an_optimizer
+                                or self.driver and any(link.steps and "step" in link.calls for link in self.trained_in))
 
     @cached_property
     def _steps_an_optimizer(self) -> bool:

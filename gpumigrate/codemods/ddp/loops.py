@@ -93,10 +93,10 @@ class TrainingLoops:
     def batch_sites(self) -> Dict[int, BatchSite]:
         """id(original expression) -> its site, for every training loop nest this file shards
         where it iterates."""
-        if not (self.active and self.shard_training) or self.driver:
+        if not (self.active and self.shard_training):
             return {}
         out: Dict[int, BatchSite] = {}
-        steps = list(self.model.step_calls) or list(self.model.backward_calls)
+        steps = self._driver_steps() if self.driver else list(self.model.step_calls) or list(self.model.backward_calls)
         seen: Set[tuple] = set()
         for step in steps:
             for nest in self._nests(step):
@@ -107,6 +107,23 @@ class TrainingLoops:
                 for site in self._sites(nest):
                     out.setdefault(id(site.expr), site)
         return out
+
+    def _driver_steps(self) -> List[cst.Call]:
+        """In a script that trains through a module of its project: its calls that take one
+        training step there (`model.optimize_D(gen)`, on an object of a class of that module,
+        a method that calls `.backward()` outside any loop of its own). A call that runs a
+        whole training loop (`agent.train(env)`) is none: the module shards its own loop."""
+        steps: List[cst.Call] = []
+        for call in self.s.index.of(cst.Call):
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name)):
+                continue
+            _, bindings = self.s.lookup(func.value.value, self.s.scope(call), self.s.order(call))
+            made = {b.value.func.value for b in bindings if b.how == "assign" and isinstance(b.value, cst.Call)
+                    and isinstance(b.value.func, cst.Name)}
+            if any(made & set(link.defines) and func.attr.value in link.steps for link in self.trained_in):
+                steps.append(call)
+        return steps
 
     @cached_property
     def counted_loops(self) -> List[cst.CSTNode]:
@@ -475,8 +492,26 @@ class TrainingLoops:
             return True  # `from random import *`: `randrange(...)`
         if _DATA_FUNCTION.search(name) and self.model.kind(func) not in (v.MODULE, v.LOSS_MODULE):
             return True  # `get_batch(...)`, `make_circles(...)`, `sample_episode(...)`: data made per call
-        return target is not None and isinstance(target.node, cst.FunctionDef) and \
-            bool(self.s.own(target.node, (cst.Yield,)))
+        if target is not None and isinstance(target.node, cst.FunctionDef) and self.s.own(target.node, (cst.Yield,)):
+            return True
+        # `model.optimize_D(real_dist_gen=gen)`: a step handed the generator it draws its batch from
+        return any(isinstance(arg.value, cst.Name) and self._a_generator(arg.value) for arg in call.args)
+
+    def _a_generator(self, name: cst.Name) -> bool:
+        """A name bound to what a generator function of this file returns (or to `iter(...)`
+        of one): an endless source of batches, drawn by whoever is handed it."""
+        _, bindings = self.s.lookup(name.value, self.s.scope(name), self.s.order(name))
+        for b in bindings:
+            value = b.value if b.how == "assign" else None
+            if not isinstance(value, cst.Call):
+                continue
+            if isinstance(value.func, cst.Name) and value.func.value == "iter" and value.args and \
+                    isinstance(value.args[0].value, cst.Call):
+                value = value.args[0].value
+            target = self.s.callee(value)
+            if target is not None and isinstance(target.node, cst.FunctionDef) and self.s.own(target.node, (cst.Yield,)):
+                return True
+        return False
 
     def _environment(self, call: cst.Call) -> bool:
         """`env.step(action)` or `env.reset()` of an environment (not an optimizer, a scheduler,
