@@ -349,3 +349,26 @@ def test_a_subfolder_put_on_sys_path_roots_the_imports_and_step_methods_are_name
     (link,) = found[str(tmp_path / "train.py")].imports
     assert link.path.endswith("gans.py") and link.steps == ("optimize_D",)  # fit() loops: not one step
     assert [i.path for i in found[str(tmp_path / "nn" / "gans.py")].importers] == [os.path.relpath(tmp_path / "train.py")]
+
+
+def test_a_logger_class_in_a_helper_keeps_its_state_on_every_rank(tmp_path):
+    """Practice corpus (SAM's example): `Log.train()` called `self._reset()`, which the migration
+    gated as an output of a logger class: on rank 1 `epoch_state` never existed, and the
+    script's own `log.flush()` (not gated: the class is another file's) raised AttributeError."""
+    project = tmp_path / "p"
+    (project / "utility").mkdir(parents=True)
+    (project / "utility" / "log.py").write_text(
+        "import time\n\n\nclass Log:\n    def train(self, n):\n        self.flush()\n        self._reset(n)\n\n"
+        "    def flush(self):\n        if hasattr(self, 'state'):\n            print('loss', self.state['loss'] / max(1, self.n))\n\n"
+        "    def __call__(self, loss):\n        self.state['loss'] += loss\n\n"
+        "    def _reset(self, n):\n        self.n, self.start = n, time.time()\n        self.state = {'loss': 0.0}\n")
+    (project / "train.py").write_text(
+        "import torch\nfrom utility.log import Log\n\nmodel = torch.nn.Linear(2, 1).cuda()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nlog = Log()\nfor epoch in range(2):\n    log.train(4)\n"
+        "    for x in torch.randn(4, 3, 2).unbind(0):\n        opt.zero_grad()\n        loss = model(x.cuda()).pow(2).mean()\n"
+        "        loss.backward()\n        opt.step()\n        log(loss.item())\nlog.flush()\n")
+    done = _cli(project, "--to", "ddp")
+    assert done.exit_code == 0, done.output
+    text = (project / "utility" / "log.py").read_text()
+    assert "        self.flush()\n        self._reset(n)\n" in text, text
+    assert "            if is_main_process():\n                print('loss'" in text, text

@@ -1049,6 +1049,10 @@ class ScriptModel:
                 return "write"
             cls = self.s.instance_class(receiver, self.s.scope(call))
             if cls is not None and cls.name and self._logger_class(cls):
+                inside = self.s.function(call)
+                if isinstance(receiver, cst.Name) and receiver.value == "self" and inside is not None and \
+                        inside.cls is cls:
+                    return None  # `self._reset()` in the logger itself keeps its state on every rank; its own outputs are gated
                 return "write"
         return None
 
