@@ -415,12 +415,12 @@ def _flags(plan: _Plan, device: torch.device, dtype: torch.dtype, have: Tuple[bo
     return flags
 
 
-def _broadcast(tensors: Sequence[torch.Tensor]) -> None:
-    """Rank 0's values of `tensors` on every rank (one broadcast per device and dtype); a
+def _broadcast(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Rank `src`'s values of `tensors` on every rank (one broadcast per device and dtype); a
     tensor that already has them is not written (no new _version)."""
     if not dist.is_initialized():
         return
-    copy = dist.get_rank() != 0
+    copy = dist.get_rank() != src
     buckets: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for tensor in tensors:
         buckets.setdefault((tensor.device, tensor.dtype), []).append(tensor)
@@ -428,7 +428,7 @@ def _broadcast(tensors: Sequence[torch.Tensor]) -> None:
         for bucket in buckets.values():
             bucket = [t.detach() for t in bucket]
             flat = _flatten(bucket)
-            _collective(flat, broadcast=True)
+            _collective(flat, broadcast=True, src=src)
             if copy:
                 for tensor, view in zip(bucket, _unflatten(flat, bucket)):
                     if not torch.equal(tensor, view):

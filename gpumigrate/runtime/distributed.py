@@ -20,7 +20,7 @@ import time
 import warnings
 import weakref
 from types import TracebackType
-from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,8 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from gpumigrate.runtime.uneven import BARRIER, BROADCAST, REDUCE, _collective_device, _settlers, agree, finish, shadow
-from gpumigrate.runtime.averaging import _OPTIMIZERS, _PLAN, _install_averaging, _note_wrapped, _uninstall_averaging
+from gpumigrate.runtime.averaging import (_OPTIMIZERS, _PLAN, _broadcast, _install_averaging, _note_wrapped,
+                                          _uninstall_averaging)
 from gpumigrate.runtime.device import distributed_backend, get_device
 from gpumigrate.runtime.stalls import watch_stalls
 
@@ -923,26 +924,29 @@ def _take_training_state(source: int) -> None:
     """After uneven steps (uneven.py's `finish`): every optimizer's parameters, state and
     param_groups, and the BatchNorm statistics of what it trains, as rank `source` has them.
     Matched by the optimizers' numbers (their order of construction, alike on every rank).
-    The layout goes as one object, the tensors by `dist.broadcast` (pickled, each tensor would
-    be a `torch.save` of its own)."""
+    The layout goes as one object, the tensors as the step hooks broadcast parameters (one
+    flat broadcast per dtype: pickled, each tensor would be a `torch.save` of its own)."""
     live = {number: ref() for number, ref in _OPTIMIZERS.values() if ref() is not None}
-    tensors: list = []
+    device = _collective_device()
+    tensors: List[torch.Tensor] = []
     layout = None
     if get_rank() == source:
+        def slot(tensor: torch.Tensor) -> "_Slot":
+            tensors.append(tensor.detach().to(device))
+            return _Slot(len(tensors) - 1)
+
         layout = {}
         for number, optimizer in live.items():
             plan = optimizer.__dict__.get(_PLAN)
-            params = [p.detach() for g in optimizer.param_groups for p in g["params"]]
+            params = [p for g in optimizer.param_groups for p in g["params"]]
             buffers = list(plan.buffers) if plan is not None else []
-            layout[number] = (_slots(optimizer.state_dict(), tensors), _slots(params, tensors), _slots(buffers, tensors))
+            layout[number] = tuple(_mapped(part, torch.Tensor, slot)
+                                   for part in (optimizer.state_dict(), params, buffers))
         layout = (layout, [(tuple(t.shape), t.dtype) for t in tensors])
     layout, specs = broadcast_object(layout, src=source)
-    device = _collective_device()
-    received = []
-    for k, (shape, dtype) in enumerate(specs):
-        here = tensors[k].detach().to(device).contiguous() if tensors else torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(here, src=source)
-        received.append(here)
+    if get_rank() != source:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    _broadcast(tensors, src=source)  # the same tensors in the same order on every rank: the same buckets
     if get_rank() == source:
         return
     for number, (state, params, buffers) in layout.items():
@@ -955,8 +959,9 @@ def _take_training_state(source: int) -> None:
         pairs = [*zip(mine, params), *(zip(theirs, buffers) if len(theirs) == len(buffers) else ())]
         with torch.no_grad():
             for here, slot in pairs:
-                here.copy_(received[slot])
-        optimizer.load_state_dict(_filled(state, received))  # moves the state to its parameters' devices
+                here.copy_(tensors[slot])
+        # load_state_dict moves the state to its parameters' devices
+        optimizer.load_state_dict(_mapped(state, _Slot, lambda k: tensors[k].cpu()))
 
 
 _settlers.append(_take_training_state)
@@ -966,24 +971,14 @@ class _Slot(int):
     """Where a tensor of `_take_training_state`'s layout is, in the tensors broadcast after it."""
 
 
-def _slots(obj: Any, tensors: list) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1)
+def _mapped(obj: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """`obj` with each `kind` in its dicts, lists and tuples replaced by `fn` of it."""
+    if isinstance(obj, kind):
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _slots(v, tensors) for k, v in obj.items()}
+        return {k: _mapped(v, kind, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_slots(v, tensors) for v in obj)
-    return obj
-
-
-def _filled(obj: Any, received: list) -> Any:
-    if isinstance(obj, _Slot):
-        return received[obj].cpu()
-    if isinstance(obj, dict):
-        return {k: _filled(v, received) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_filled(v, received) for v in obj)
+        return type(obj)(_mapped(v, kind, fn) for v in obj)
     return obj
 
 

@@ -83,11 +83,11 @@ def _collective_device() -> torch.device:
     return torch.device(kind)
 
 
-def _collective(flat: torch.Tensor, broadcast: bool = False) -> None:
-    """All-reduce (sum) or broadcast from rank 0 `flat` in place, on a device the backend takes."""
+def _collective(flat: torch.Tensor, broadcast: bool = False, src: int = 0) -> None:
+    """All-reduce (sum) or broadcast from rank `src` `flat` in place, on a device the backend takes."""
     here = flat if flat.device.type in _backend_devices() else flat.to(_collective_device())
     if broadcast:
-        dist.broadcast(here, src=0)
+        dist.broadcast(here, src=src)
     else:
         dist.all_reduce(here)
     if here is not flat:
