@@ -100,19 +100,23 @@ def _read(path: Path) -> Optional[_Module]:
         return None
     calls: Set[str] = set()
     imported: List[Tuple[int, str, Tuple[str, ...]]] = []  # (level, module, names)
+    on_sys_path: List[ast.Call] = []  # sys.path.insert(...) / append(...)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
             if name:
                 calls.add(name)
+            if name in ("insert", "append") and isinstance(func.value, ast.Attribute) and func.value.attr == "path" \
+                    and isinstance(func.value.value, ast.Name) and func.value.value.id == "sys":
+                on_sys_path.append(node)
         elif isinstance(node, ast.Import):
             imported.extend((0, alias.name, ()) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.append((node.level, node.module or "", tuple(a.name for a in node.names)))
     found: List[Path] = []
     starred: List[Path] = []
-    extra = _path_folders(tree, path)
+    extra = _path_folders(on_sys_path, path)
     for level, module, names in imported:
         for target in _resolve(path, level, module, names, extra):
             if target not in found and target != path.resolve():
@@ -200,18 +204,13 @@ def _self_attr(node: ast.AST) -> str:
         node.value.id == "self" else ""
 
 
-def _path_folders(tree: ast.Module, path: Path) -> List[Path]:
-    """Folders below the file's own that it puts on sys.path (`sys.path.insert(0, here +
-    '/nn/')`, `sys.path.append(os.path.join(os.path.dirname(__file__), 'lib'))`): its
+def _path_folders(calls: Sequence[ast.Call], path: Path) -> List[Path]:
+    """Folders below the file's own that its `sys.path` calls put there (`sys.path.insert(0,
+    here + '/nn/')`, `sys.path.append(os.path.join(os.path.dirname(__file__), 'lib'))`): its
     absolute imports may be rooted there. Only existing folders, named by a string literal."""
     out: List[Path] = []
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and
-                node.func.attr in ("insert", "append") and isinstance(node.func.value, ast.Attribute) and
-                node.func.value.attr == "path" and isinstance(node.func.value.value, ast.Name) and
-                node.func.value.value.id == "sys"):
-            continue
-        for arg in node.args:
+    for call in calls:
+        for arg in call.args:
             for const in ast.walk(arg):
                 if not isinstance(const, ast.Constant) or not isinstance(const.value, str):
                     continue

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import libcst as cst
 
@@ -492,10 +492,15 @@ class TrainingLoops:
             return True  # `from random import *`: `randrange(...)`
         if _DATA_FUNCTION.search(name) and self.model.kind(func) not in (v.MODULE, v.LOSS_MODULE):
             return True  # `get_batch(...)`, `make_circles(...)`, `sample_episode(...)`: data made per call
-        if target is not None and isinstance(target.node, cst.FunctionDef) and self.s.own(target.node, (cst.Yield,)):
+        if self._generator(target):
             return True
         # `model.optimize_D(real_dist_gen=gen)`: a step handed the generator it draws its batch from
         return any(isinstance(arg.value, cst.Name) and self._a_generator(arg.value) for arg in call.args)
+
+    def _generator(self, target: Any) -> bool:
+        """Is the callee `target` a generator function of this file (`def batches(): ... yield`)?"""
+        return target is not None and isinstance(target.node, cst.FunctionDef) and \
+            bool(self.s.own(target.node, (cst.Yield,)))
 
     def _a_generator(self, name: cst.Name) -> bool:
         """A name bound to what a generator function of this file returns (or to `iter(...)`
@@ -508,8 +513,7 @@ class TrainingLoops:
             if isinstance(value.func, cst.Name) and value.func.value == "iter" and value.args and \
                     isinstance(value.args[0].value, cst.Call):
                 value = value.args[0].value
-            target = self.s.callee(value)
-            if target is not None and isinstance(target.node, cst.FunctionDef) and self.s.own(target.node, (cst.Yield,)):
+            if self._generator(self.s.callee(value)):
                 return True
         return False
 
