@@ -173,8 +173,16 @@ def test_a_loop_around_a_modules_step_methods_is_sharded_where_it_counts(runs):
     """The GAN class takes one step per call and draws from the generator it is handed: the
     script's counting loop is the training loop (its module reached through sys.path.insert
     of a subfolder)."""
-    _, project = runs.project("gan_step_methods")
+    pair, project = runs.project("gan_step_methods")
     train = (project / "train.py").read_text()
     assert "for iter_idx in shard_batches(range(1, args.iters + 1)):" in train
     module = (project / "nn" / "toy_gan.py").read_text()
     assert "        self.discriminator = wrap_model(self.discriminator)\n" in module  # the module was read as one program
+    # the generator handed to a step is drawn from once per call: the counting loop shards it
+    assert "shard_loader" not in module
+    # `iter_idx % 8 == 0` fires at the rank's 8th step, as the script's at its 8th: not at the first
+    printed = [line.split()[1] for line in pair.ddp.ranks[0]["stdout"].splitlines() if line.startswith("iter ")]
+    assert printed and "1" not in printed, printed
+    # the script saves `model.generator.state_dict()` of a generator the module wrapped: plain keys
+    saved = torch.load(project / "wgan.pt")
+    assert sorted(saved["G"]) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"], list(saved["G"])

@@ -706,3 +706,57 @@ def test_synchronize_without_an_accelerator_returns(rt):
     with pytest.raises((RuntimeError, AssertionError)):
         torch.cuda.synchronize()
     assert rt.synchronize() is None
+
+
+CHECKPOINT_KEYS_SCRIPT = """\
+import json, sys
+
+import torch
+from torch import nn
+
+from gpumigrate.runtime import get_rank, get_world_size, setup_distributed, wrap_model
+
+setup_distributed()
+torch.manual_seed(0)
+
+
+class Pair(nn.Module):  # a parent holding a wrapped child, as a GAN class holds its generator
+    def __init__(self):
+        super().__init__()
+        self.generator = wrap_model(nn.Linear(3, 2))
+        self.head = nn.Linear(2, 1)
+
+
+pair = Pair()
+plain = Pair()
+plain.load_state_dict(pair.state_dict())  # the parent's own keys load back
+prefixed = {"module." + k: v for k, v in pair.generator.state_dict().items()}
+if get_world_size() > 1:
+    pair.generator.load_state_dict(prefixed)  # a DataParallel checkpoint still loads into the wrapper
+ema = nn.Linear(3, 2)
+ema.load_state_dict(pair.generator.state_dict())  # an EMA copy reads the wrapped model
+report = {"child": sorted(pair.generator.state_dict()), "parent": sorted(pair.state_dict()),
+          "printed": repr(pair.generator).split("(")[0]}
+with open(sys.argv[1] + "/keys{}.json".format(get_rank()), "w") as f:
+    json.dump(report, f)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.ddp
+def test_a_wrapped_models_checkpoint_has_the_keys_it_has_in_one_process(tmp_path):
+    """Whoever saves a wrapped model (a trainer's attribute, a parent module, an EMA) gets the
+    keys one process gets: no `module.`, so checkpoints load across world sizes."""
+    script = tmp_path / "keys.py"
+    script.write_text(CHECKPOINT_KEYS_SCRIPT)
+    single = subprocess.run([sys.executable, str(script), str(tmp_path)], env=_env(tmp_path), capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert single.returncode == 0, single.stderr[-2000:]
+    alone = json.loads((tmp_path / "keys0.json").read_text())
+    assert alone["child"] == ["bias", "weight"] and "generator.weight" in alone["parent"]
+    code, _, stderr = torchrun(script, str(tmp_path))
+    assert code == 0, stderr[-3000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"keys{rank}.json").read_text())
+        assert (report["child"], report["parent"]) == (alone["child"], alone["parent"])
+        assert report["printed"] == "DistributedDataParallel"

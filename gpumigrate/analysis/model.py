@@ -762,7 +762,7 @@ class ScriptModel:
             holder = consumptions[0].holder
             bindings = self.s.all_bindings(holder.value, self.s.scope(holder))
             if not all(c.trains for c in consumptions) or len(bindings) != 1 or bindings[0].how != "param" \
-                    or any(self.origins(c.holder) for c in consumptions):
+                    or any(self.origins(c.holder) for c in consumptions) or all(map(_next_of, consumptions)):
                 continue
             fn = self.s.functions.get(id(bindings[0].scope.node))
             if fn is not None and isinstance(fn.node, cst.FunctionDef) and self._handed_in(fn, holder.value, 0):
@@ -1235,6 +1235,13 @@ class ScriptModel:
 
 _MODULE_METHODS = frozenset({"eval", "train", "parameters", "named_parameters", "modules", "children", "to", "cuda",
                              "half", "float", "forward", "state_dict", "zero_grad", "apply"})
+
+
+def _next_of(consumption: Consumption) -> bool:
+    """`next(p)` itself: `p` is an iterator (a generator handed to a step that draws one batch
+    per call), which no rebuilding can shard; the loop that repeats the step is what shards."""
+    node = consumption.node
+    return isinstance(node, cst.Call) and bool(node.args) and node.args[0].value is consumption.holder
 
 
 def _item_of_name(expr: cst.BaseExpression) -> bool:

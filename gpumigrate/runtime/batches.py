@@ -185,7 +185,10 @@ def _counter(steps: range, world: int) -> List[int]:
     # each value stands for the script's steps up to the next one (the last, for itself)
     widths = [b - a for a, b in zip(values, values[1:])] + [1 if steps.step > 0 else -1]
     _save_steps_as_numbers()
-    return [_Step(v, k, w) for k, (v, w) in enumerate(zip(values, widths))]
+    # this rank's own step count starts where the script's did (`range(1, n + 1)`: at 1), so
+    # `it % k == 0` fires at the rank's k-th step as the script's at its k-th
+    first = steps.start if steps.step > 0 else 0
+    return [_Step(v, first + k, w) for k, (v, w) in enumerate(zip(values, widths))]
 
 
 def next_step(step: Any) -> Any:
@@ -207,9 +210,9 @@ class _Step(int):
     `t < start_timesteps`, an lr drop at step 30000) keeps the script's schedule. Each one
     stands for the WORLD_SIZE steps the ranks take together, so:
 
-    - `it % k` counts this rank's own steps (`(it + 1) % log_every == 0`, `it % n_critic == 0`,
-      a target network copied every 10 episodes: as often per step this rank takes as the
-      script did per step, whatever the offset);
+    - `it % k` counts this rank's own steps from where the script's count starts (`(it + 1) %
+      log_every == 0`, `it % n_critic == 0`, a target network copied every 10 episodes: as
+      often per step this rank takes as the script did per step, and at the same one of them);
     - `it == n` holds where the script's step `n` is among the steps this one stands for (the
       last step, an lr drop, `if it in lr_steps`);
     - everything else (arithmetic, comparisons, indexing, printing, pickling, JSON) is the
