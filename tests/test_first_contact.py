@@ -41,6 +41,7 @@ SCRIPTS = {
     "td3_two_heads.py": "10: a critic called through a method other than forward",
     "inline_eval_loader.py": "verify: an evaluation loader built where it is iterated",
     "val_loss_counter.py": "verify: a validation loss divided by a counter",
+    "progress_bar_read.py": "a progress bar whose count the script reads (`val_loss / pbar.n`)",
 }
 PROJECTS = {
     "loader_helper": ("train.py", "1: loaders returned by a helper in another module"),

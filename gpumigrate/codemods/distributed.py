@@ -1934,6 +1934,18 @@ class RankZeroOutput(_BlockRule):
         qualified = self.qualify(original.func) or ""
         if qualified in ("tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm", "tqdm.trange") \
                 and get_arg(original, "disable") is None:
+            parent = self.ctx.ancestors[-1] if self.ctx.ancestors else None
+            read = self._read_on_every_rank(parent) if isinstance(parent, cst.Assign) else None
+            stream = get_arg(original, "file")
+            if stream is not None and isinstance(stream.value, cst.Call) and \
+                    runtime_helper(self.qualify(stream.value.func)) == "progress_stream":
+                return None  # an earlier run's
+            if read is not None and stream is None:
+                # a disabled bar counts nothing (`-val_loss / pbar.n` divides by zero): the other
+                # ranks' bars count on, drawn to os.devnull
+                self.report(original, f"progress bar on every rank: `{read}` is read, so it counts on every rank "
+                                      "and is drawn on rank 0 only")
+                return with_args(updated, [*updated.args, keyword_arg("file", _call(self.ctx, "progress_stream"))])
             self.report(original, "progress bar on every rank: shown on rank 0 only")
             test = cst.UnaryOperation(operator=cst.Not(), expression=_call(self.ctx, "is_main_process"))
             return with_args(updated, [*updated.args, keyword_arg("disable", test)])

@@ -549,6 +549,20 @@ def muted_writer(*args: Any, **kwargs: Any) -> Any:
     return _MutedWriter(*args, **kwargs)
 
 
+def progress_stream() -> Any:
+    """Where a progress bar that the script reads (`pbar.n`) draws: tqdm's default (None:
+    stderr) on rank 0, os.devnull elsewhere, so every rank's bar counts and one is shown."""
+    global _DEVNULL
+    if get_rank() == 0:
+        return None
+    if _DEVNULL is None:
+        _DEVNULL = open(os.devnull, "w")
+    return _DEVNULL
+
+
+_DEVNULL: Any = None
+
+
 def join_ranks() -> None:
     """The end of a training loop whose ranks may take different numbers of optimizer steps
     (episodes of different lengths): a rank that gets here first takes part in the others'
