@@ -50,6 +50,7 @@ PROJECTS = {
     "helper_prints": ("train.py", "8: prints and a timestamped run folder in an unmigrated-looking helper module"),
     "gan_step_methods": ("train.py", "3/4: a GAN class's step methods fed by a generator, its module on sys.path"),
     "agent_step_budget": ("train.py", "3: an agent class's step budget over episodes of different lengths, clipped"),
+    "ppo_agent_update": ("train.py", "3: the rollout collected in the script's loop, PPO's update epochs in the agent"),
 }
 LOW, HIGH = 0.3, 0.7  # "about 1/N" for N = 2
 
@@ -187,3 +188,16 @@ def test_a_loop_around_a_modules_step_methods_is_sharded_where_it_counts(runs):
     # the script saves `model.generator.state_dict()` of a generator the module wrapped: plain keys
     saved = torch.load(project / "wgan.pt")
     assert sorted(saved["G"]) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"], list(saved["G"])
+
+
+def test_an_update_over_the_agents_own_rollout_keeps_its_epochs(runs):
+    """PPO's update epochs run over the rollout this rank holds: the script's loop, which
+    collects it, is the one sharded (its step counter), with each rank's own episodes."""
+    pair, project = runs.project("ppo_agent_update")
+    train = (project / "train.py").read_text()
+    assert "total_steps = next_step(total_steps)" in train
+    assert "env.reset(seed=env_seed + get_rank())" in train
+    assert "shard_batches" not in (project / "ppo.py").read_text(), "the update epochs were split between ranks"
+    steps = [sum(o["steps"] for o in pair.ddp.ranks[r]["optimizers"]) for r in range(NPROC)]
+    one = sum(o["steps"] for o in pair.one.ranks[0]["optimizers"])
+    assert all(0.3 <= s / one <= 0.7 for s in steps), (steps, one)

@@ -271,7 +271,10 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
             any(self.model.output_call(c) for c in self.s.index.of(cst.Call))
 
     def _one_step(self, call: cst.CSTNode) -> bool:
-        """A backward call under no loop of its own function (one call, one step)."""
+        """A backward call under no loop of its own function (one call, one step), or in an
+        update a script of the run repeats in its loop (`_repeated_by_a_script`)."""
+        if any(self._repeated_by_a_script(nest) for nest in self._nests(call)):
+            return True
         for ancestor in self.s.ancestors(call):
             if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
                 return isinstance(ancestor, cst.FunctionDef)

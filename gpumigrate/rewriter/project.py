@@ -45,6 +45,7 @@ class Link:
     methods: Tuple[str, ...] = ()
     stateful: Tuple[str, ...] = ()
     steps: Tuple[str, ...] = ()  # functions and methods that take one training step (`_step_functions`)
+    looped: Tuple[str, ...] = ()  # names of the functions and methods it calls inside a loop
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class _Module:
     methods: Tuple[str, ...] = ()
     stateful: Tuple[str, ...] = ()
     steps: Tuple[str, ...] = ()
+    looped: Tuple[str, ...] = ()
 
 
 class _Reader:
@@ -101,10 +103,13 @@ def _read(path: Path) -> Optional[_Module]:
     calls: Set[str] = set()
     imported: List[Tuple[int, str, Tuple[str, ...]]] = []  # (level, module, names)
     on_sys_path: List[ast.Call] = []  # sys.path.insert(...) / append(...)
+    looped: Set[str] = set()
     for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.While, ast.AsyncFor)):
+            looped.update(_call_name(n) or "" for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Call))
         if isinstance(node, ast.Call):
             func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            name = _call_name(node)
             if name:
                 calls.add(name)
             if name in ("insert", "append") and isinstance(func.value, ast.Attribute) and func.value.attr == "path" \
@@ -129,29 +134,60 @@ def _read(path: Path) -> Optional[_Module]:
                    _runs_code(tree), found, defines, tuple(starred),
                    tuple(sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
                                 for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))),
-                   stateful_classes(tree), _step_functions(tree))
+                   stateful_classes(tree), _step_functions(tree), tuple(sorted(looped - {""})))
+
+
+def _call_name(call: ast.Call) -> Optional[str]:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
 
 
 def _step_functions(tree: ast.Module) -> Tuple[str, ...]:
-    """The names of the functions and methods that call `.backward()` outside any loop of
-    their own (`def optimize_D(self, gen): ... loss.backward(); self.opt.step()`): one call
-    is one training step, so a script's loop around the calls is the training loop."""
+    """The names of the functions and methods that take one training step per call, so a
+    script's loop around the calls (one that makes the data) is the training loop:
+    - those that call `.backward()` outside any loop of their own (`def optimize_D(self, gen):
+      ... loss.backward(); self.opt.step()`);
+    - updates over data the object already holds (PPO's epochs over its rollout: `.backward()`
+      only in loops over `range(...)`, and no `next()`, `yield` or `env.step(action)` to bring
+      data of their own)."""
     out: Set[str] = set()
 
-    def visit(node: ast.AST, fn: Optional[str], looped: bool) -> None:
+    def visit(node: ast.AST, fn: Optional[ast.AST], loops: Tuple[ast.AST, ...]) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                visit(child, child.name, False)
+                visit(child, child, ())
             elif isinstance(child, (ast.ClassDef, ast.Lambda)):
-                visit(child, None, False)
+                visit(child, None, ())
             else:
-                if fn and not looped and isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and \
-                        child.func.attr == "backward":
-                    out.add(fn)
-                visit(child, fn, looped or isinstance(child, (ast.For, ast.While, ast.AsyncFor)))
+                if fn is not None and isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and \
+                        child.func.attr == "backward" and (not loops or all(map(_counts, loops)) and _takes_no_data(fn)):
+                    out.add(fn.name)
+                visit(child, fn, loops + (child,) if isinstance(child, (ast.For, ast.While, ast.AsyncFor)) else loops)
 
-    visit(tree, None, False)
+    visit(tree, None, ())
     return tuple(sorted(out))
+
+
+def _counts(loop: ast.AST) -> bool:
+    """`for ... in range(...)` (or `enumerate(range(...))`): a loop that only counts."""
+    it = loop.iter if isinstance(loop, ast.For) else None
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args:
+        it = it.args[0]
+    return isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
+
+
+def _takes_no_data(fn: ast.AST) -> bool:
+    """No `next()`, `yield` or `x.step(action)` / `x.reset(...)` (an environment) in `fn`."""
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return False
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "next":
+                return False
+            if isinstance(func, ast.Attribute) and func.attr in ("step", "reset") and (node.args or node.keywords):
+                return False
+    return True
 
 
 def _parse(data: bytes) -> ast.Module:
@@ -370,7 +406,7 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
     except ValueError:  # another drive
         shown = str(module.path)
     return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines,
-                module.methods, module.stateful, module.steps)
+                module.methods, module.stateful, module.steps, module.looped)
 
 
 def project_files(path: str) -> List[Path]:

@@ -198,6 +198,7 @@ def next_step(step: Any) -> Any:
     `it % k` still counts this rank's own steps and `it == n` finds the script's step n."""
     if not is_distributed():
         return step + 1
+    part_random_streams()  # a loop counted this way may reach no shard_batches and no step yet
     world = get_world_size()
     local = step.local + 1 if isinstance(step, _Step) else int(step) // world + 1
     _save_steps_as_numbers()

@@ -101,12 +101,35 @@ class TrainingLoops:
         for step in steps:
             for nest in self._nests(step):
                 key = tuple(id(loop) for loop in nest)
-                if key in seen:
+                if key in seen or self._repeated_by_a_script(nest):
                     continue
                 seen.add(key)
                 for site in self._sites(nest):
                     out.setdefault(id(site.expr), site)
         return out
+
+    def _repeated_by_a_script(self, nest: List[cst.CSTNode]) -> bool:
+        """A nest of counting loops in an update over data the object holds (`def train(self):
+        for _ in range(self.K_epochs): ...`, PPO's epochs over its rollout) that a script of
+        the run calls inside a loop of its own (the episodes that collect the rollout): the
+        script's loop is the training loop, sharded there (its `steps`, project.py); sharding
+        here too would split the work twice, or cut the epochs of the update."""
+        if not nest or not all(self._counting(loop) for loop in nest):
+            return False
+        fn = self.s.function(nest[-1])
+        if fn is None or not isinstance(fn.node, cst.FunctionDef) or fn.callers:
+            return False
+        name = fn.node.name.value
+        if not any(link.in_run and name in link.looped and name in link.calls for link in self.drivers):
+            return False
+        for node in self.s.index.subtree(fn.node):
+            if isinstance(node, (cst.Yield, cst.Await)):
+                return False
+            if isinstance(node, cst.Call) and (isinstance(node.func, cst.Name) and node.func.value == "next" or
+                                               isinstance(node.func, cst.Attribute) and node.args and
+                                               node.func.attr.value in ("step", "reset")):
+                return False
+        return True
 
     def _driver_steps(self) -> List[cst.Call]:
         """In a script that trains through a module of its project: its calls that take one
@@ -177,7 +200,8 @@ class TrainingLoops:
         `env.action_space.seed(s)` of the environments training steps, where some training
         loop is sharded by its counter: every rank would play the same episodes; each gets the
         rank added (an earlier run's `s + get_rank()` is left)."""
-        if not self.counted_loops:
+        if not self.counted_loops and not any(s.kind == "step" for s in self.batch_sites.values()) and \
+                not self._runtime_calls(self.ctx.module, "next_step"):
             return {}
         envs = {dotted(c.func.value) for c in self.s.index.of(cst.Call) if self._environment(c)} - {None}
         out: Dict[int, cst.BaseExpression] = {}
