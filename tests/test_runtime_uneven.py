@@ -65,6 +65,13 @@ other = torch.optim.SGD(other_net.parameters(), lr=0.1)
 
 def main():
     record = {}
+    if sys.argv[2] == "phases":  # rank 0 steps `opt` twice more; then both ranks train `other`
+        for k in range(SHARED + (2 if rank == 0 else 0)):
+            step(net, opt, batch(rank, k))
+        for k in range(3):
+            step(other_net, other, batch(rank, 10 + k))
+        torch.save({"net": flat(net), "other": flat(other_net)}, os.path.join(out, "rank{}.pt".format(rank)))
+        return
     if sys.argv[2] == "skew":  # rank 0 steps `opt`, rank 1 `other`: a program whose ranks disagree
         step(net, opt, batch(rank, 0)) if rank == 0 else step(other_net, other, batch(rank, 0))
     for k in range(SHARED + (EXTRA if rank == 1 else 0)):
@@ -118,8 +125,30 @@ def test_ranks_that_step_different_optimizers_stop_with_one_error(tmp_path):
     code, _, stderr = _run(tmp_path, "skew")
     assert code not in (0, None), "the ranks disagreed and the run passed (or hung)"
     assert "out of step" in stderr, stderr[-3000:]
-    assert "rank 0 average the gradients of optimizer #1; rank 1 average the gradients of optimizer #2" in stderr, \
-        stderr[-3000:]
+    # caught at the first step of each, before any parameters are broadcast
+    assert "rank 0 take rank 0's parameters of optimizer #1 at its first step; rank 1 take rank 0's parameters " \
+        "of optimizer #2 at its first step" in stderr, stderr[-3000:]
+
+
+def test_a_rank_ahead_takes_part_in_the_steps_of_the_phase_the_others_are_still_in(tmp_path):
+    """Episodes of different lengths, then a second agent (DQN, then double DQN): rank 1 takes
+    the second optimizer's first step while rank 0 still steps the first. It takes part in
+    those steps first (their mean gradients, its own optimizer), so both ranks start and end
+    the second phase with the same weights, and the first model is alike too."""
+    code, _, stderr = _run(tmp_path, "phases")
+    assert code == 0, stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    net = model(100)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for k in range(SHARED + 2):  # the last two on rank 0's batches alone
+        step(net, opt, torch.cat([batch(0, k), batch(1, k)]) if k < SHARED else batch(0, k))
+    other_net = model(7)
+    other = torch.optim.SGD(other_net.parameters(), lr=0.1)
+    for k in range(3):
+        step(other_net, other, torch.cat([batch(0, 10 + k), batch(1, 10 + k)]))
+    for name, expected in (("net", flat(net)), ("other", flat(other_net))):
+        assert torch.equal(ranks[0][name], ranks[1][name]), f"{name}: the ranks differ"
+        torch.testing.assert_close(ranks[0][name], expected, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- a migrated script

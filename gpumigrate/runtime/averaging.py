@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gpumigrate.runtime.seeding import part_random_streams
-from gpumigrate.runtime.uneven import AVERAGE, REDUCE, _collective, _shadow_average, agree, remember_layout, shadow
+from gpumigrate.runtime.uneven import (AVERAGE, PARAMS, REDUCE, _collective, _shadow_average, agree, remember_layout,
+                                      shadow)
 
 # Where DistributedDataParallel cannot be placed (an optimizer built in a helper module, double
 # backward, a functional model, a loss module with parameters, two optimizers), the ranks still
@@ -215,6 +216,7 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer) -> _Plan:
     optimizer.__dict__[_PLAN] = plan
     _plans_version += 1
     if first and params:  # once: add_param_group broadcasts what is added later
+        agree(PARAMS, plan.key)  # a rank ahead of another (uneven.py) takes part in its steps first
         _broadcast(params)
     return plan
 
@@ -482,6 +484,17 @@ def average_gradients(target: Union[torch.optim.Optimizer, torch.Tensor, Iterabl
 # ----------------------------------------------------------------------- hooks and wrappers
 
 _shadowing = False  # a finished rank steps with the others' mean: no averaging of its own
+
+
+@shadow(PARAMS)
+def _shadow_params(key: int) -> None:
+    """A rank whose script has ended, where another makes the plan of optimizer #`key`: it
+    takes part in the broadcast of that optimizer's parameters."""
+    optimizer = next((ref() for number, ref in _OPTIMIZERS.values() if number == key), None)
+    if optimizer is None:
+        raise RuntimeError(f"gpumigrate.runtime: a rank that has finished cannot take part in the first step of "
+                           f"optimizer #{key}, which it no longer has")
+    _broadcast(_unwrapped([p for group in optimizer.param_groups for p in group["params"]]))
 
 
 @shadow(AVERAGE)

@@ -10,10 +10,13 @@ while another waits in an all_reduce, which then fails ("Connection closed by pe
 barrier on one rank meets an all_reduce on another.
 
 So every collective of the runtime (the gradient average, `barrier`, `broadcast_object`,
-`reduce_sum`) is preceded by an exchange of one row per rank, (state, kind, key): what this
-rank is about to do. Ranks still running must all want the same collective, else each of them
-raises one error naming what every rank wanted (a rank stepping the first optimizer while
-another steps the second is a program whose ranks disagree, not a hang to wait out). A rank
+`reduce_sum`) is preceded by an exchange of one row per rank, (state, kind, key, the optimizers it has stepped): what this rank is about to do. Ranks still
+running want the same collective, or one is ahead of another: it has left the optimizer the
+other still steps (a longer episode there, or the script's next phase, a second agent trained
+after the first) and takes part in those steps, as a finished rank does (below), until both
+want the same. Anything else (a rank stepping a GAN's D while another steps its G, both having
+stepped both) is a program whose ranks disagree: each raises one error naming what every rank
+wanted, not a hang to wait out. A rank
 whose script has ended normally calls `finish()` from `cleanup_distributed`: it answers each
 exchange as finished and takes part in the collective the others agreed on, with zeros for
 an average or a sum (the average divides by the number of ranks still running, so those
@@ -34,9 +37,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-AVERAGE, BARRIER, BROADCAST, REDUCE = 1, 2, 3, 4  # kinds of collective; key: below
+AVERAGE, BARRIER, BROADCAST, REDUCE, PARAMS = 1, 2, 3, 4, 5  # kinds of collective; key: below
 _NAMES = {AVERAGE: "average the gradients of optimizer #{key}", BARRIER: "wait at a barrier",
-          BROADCAST: "receive an object from rank {key}", REDUCE: "sum {key} values"}
+          BROADCAST: "receive an object from rank {key}", REDUCE: "sum {key} values",
+          PARAMS: "take rank 0's parameters of optimizer #{key} at its first step"}
 
 # AVERAGE: the plan's key -> the (device, dtype, number of elements) of each flattened bucket,
 # in order, as this rank last averaged it: what a finished rank contributes zeros as. Only
@@ -94,30 +98,60 @@ def _collective(flat: torch.Tensor, broadcast: bool = False, src: int = 0) -> No
         flat.copy_(here)
 
 
-def _exchange(state: int, kind: int, key: int) -> List[Tuple[int, int, int]]:
-    """Every rank's (state, kind, key), in rank order (an all_gather as one all_reduce)."""
+def _exchange(state: int, kind: int, key: int) -> List[Tuple[int, int, int, int]]:
+    """Every rank's (state, kind, key, stepped), in rank order (an all_gather as one
+    all_reduce); `stepped`: a bit per optimizer this rank has averaged (its number < 63)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    rows = torch.zeros(world, 3, dtype=torch.int64)
+    rows = torch.zeros(world, 4, dtype=torch.int64)
     rows[rank, 0], rows[rank, 1], rows[rank, 2] = state, kind, key
+    rows[rank, 3] = sum(1 << k for k in _layouts if 0 <= k < 63)
     _collective(rows)
     return [tuple(row) for row in rows.tolist()]  # type: ignore[misc]
 
 
-def _describe(rows: Sequence[Tuple[int, int, int]]) -> str:
+def _describe(rows: Sequence[Tuple[int, ...]]) -> str:
     return "; ".join(f"rank {r} " + (_NAMES.get(kind, "kind {kind}").format(key=key, kind=kind) if state else "has finished")
-                     for r, (state, kind, key) in enumerate(rows))
+                     for r, (state, kind, key, *_) in enumerate(rows))
+
+
+def _behind(rows: Sequence[Tuple[int, ...]]) -> Optional[int]:
+    """Where the running ranks want different collectives: the optimizer whose average some
+    want while every other running rank has averaged it before and moved on (to the next
+    optimizer of the script, a barrier, a sum), and whose ranks have averaged none of the
+    optimizers the others want (else it is no order of phases: a GAN's D step on one rank and
+    G step on another). None where there is no such one optimizer."""
+    running = [(kind, key, stepped) for state, kind, key, stepped in rows if state]
+    wanted = {key for kind, key, _ in running if kind == AVERAGE and 0 <= key < 63}
+    found = [b for b in wanted
+             if all(stepped >> b & 1 for kind, key, stepped in running if (kind, key) != (AVERAGE, b))
+             and not any(stepped >> k & 1 for kind, key, stepped in running if (kind, key) == (AVERAGE, b)
+                         for k in wanted - {b})]
+    return found[0] if len(found) == 1 else None
 
 
 def agree(kind: int, key: int) -> int:
     """Before a collective of the runtime on a running rank: the number of ranks still
-    running (every one of which is about to call the same collective). Raises if the running
-    ranks are about to call different ones."""
-    rows = _exchange(1, kind, key)
-    running = {(k, y) for state, k, y in rows if state}
-    if len(running) > 1:
-        raise RuntimeError("gpumigrate.runtime: the ranks are out of step (they took different numbers of steps "
-                           f"or different branches): {_describe(rows)}")
-    return sum(1 for state, _, _ in rows if state)
+    running that are about to call it with this one. Where the running ranks want different
+    ones, a rank ahead of another (it has left the optimizer the other still steps: the next
+    phase of the script, or the end of an episode) takes part in the other's steps, as a
+    finished rank does, until they want the same; otherwise it raises, naming what each wants."""
+    global _ahead
+    while True:
+        rows = _exchange(1, kind, key)
+        running = {(k, y) for state, k, y, _ in rows if state}
+        if len(running) == 1:
+            return sum(1 for state, *_ in rows if state)
+        behind = _behind(rows)
+        if behind is None:
+            raise RuntimeError("gpumigrate.runtime: the ranks are out of step (they took different numbers of steps "
+                               f"or different branches): {_describe(rows)}")
+        if (kind, key) == (AVERAGE, behind):
+            return sum(1 for state, k, y, _ in rows if state and (k, y) == (AVERAGE, behind))
+        _shadows[AVERAGE](behind)
+        _ahead += 1
+
+
+_ahead = 0  # collectives this rank took part in for ranks behind it (finish settles after them too)
 
 
 _shadows: Dict[int, Callable[[int], None]] = {}  # kind -> how a finished rank takes part (given the key)
@@ -165,7 +199,7 @@ def finish() -> Optional[int]:
     count = 0
     while True:
         rows = _exchange(0, 0, 0)
-        running = {(k, y) for state, k, y in rows if state}
+        running = {(k, y) for state, k, y, _ in rows if state}
         if not running:
             break
         if len(running) > 1:
@@ -175,9 +209,10 @@ def finish() -> Optional[int]:
         count += 1
     # A rank that stepped with the others' mean gradients did not do what they did between the
     # average and the step (clip the averaged gradients, change the lr): where any rank took
-    # part in others' collectives, every rank takes the state of the first that took part in none.
-    counts = [state for state, _, _ in _exchange(count, 0, 0)]
+    # part in others' collectives, every rank takes the state of the first that took part in
+    # the fewest (none, unless each was ahead of another once).
+    counts = [state for state, *_ in _exchange(count + _ahead, 0, 0)]
     if any(counts):
         for settle in _settlers:
-            settle(counts.index(0))
+            settle(counts.index(min(counts)))
     return count
