@@ -10,20 +10,20 @@ while another waits in an all_reduce, which then fails ("Connection closed by pe
 barrier on one rank meets an all_reduce on another.
 
 So every collective of the runtime (the gradient average, `barrier`, `broadcast_object`,
-`reduce_sum`) is preceded by an exchange of one row per rank, (state, kind, key, the optimizers it has stepped): what this rank is about to do. Ranks still
-running want the same collective, or one is ahead of another: it has left the optimizer the
-other still steps (a longer episode there, or the script's next phase, a second agent trained
-after the first) and takes part in those steps, as a finished rank does (below), until both
-want the same. Anything else (a rank stepping a GAN's D while another steps its G, both having
-stepped both) is a program whose ranks disagree: each raises one error naming what every rank
-wanted, not a hang to wait out. A rank
-whose script has ended normally calls `finish()` from `cleanup_distributed`: it answers each
-exchange as finished and takes part in the collective the others agreed on, with zeros for
-an average or a sum (the average divides by the number of ranks still running, so those
-ranks step on the mean of their own gradients, as one process on their batches would), until
-every rank has finished. This is the protocol of torch's `Join` context (an all_reduce per
-iteration that counts the ranks still running), kept in the runtime because here the
-collectives are the runtime's own and no context manager has to be placed around a loop.
+`reduce_sum`) is preceded by an exchange of one row per rank, (state, kind, key, the optimizers
+it has stepped): what this rank is about to do. Ranks still running want the same collective,
+or one is ahead of another: it has left the optimizer the other still steps (a longer episode
+there, or the script's next phase, a second agent trained after the first) and takes part in
+those steps, as a finished rank does (below), until both want the same. Anything else (a rank
+stepping a GAN's D while another steps its G, both having stepped both) is a program whose
+ranks disagree: each raises one error naming what every rank wanted, not a hang to wait out. A
+rank whose script has ended normally calls `finish()` from `cleanup_distributed`: it answers
+each exchange as finished and takes part in the collective the others agreed on, with zeros for
+an average or a sum (the average divides by the number of ranks still running, so those ranks
+step on the mean of their own gradients, as one process on their batches would), until every
+rank has finished. This is the protocol of torch's `Join` context (an all_reduce per iteration
+that counts the ranks still running), kept in the runtime because here the collectives are the
+runtime's own and no context manager has to be placed around a loop.
 
 Only the runtime's collectives take part: a DistributedDataParallel model averages in C++
 during backward, which a finished rank cannot shadow, so the migration does not DDP-wrap
