@@ -127,10 +127,10 @@ def test_a_shuffled_loader_is_split_with_a_new_order_each_pass_and_full_batches_
     assert ranks[0]["shuffled_len"] == 2
 
 
-def test_a_counting_range_takes_every_world_size_th_value_and_the_last_on_every_rank(ranks):
-    assert ranks[0]["range"] == ranks[1]["range"] == [3, 5, 7, 9, 11, 12]
-    assert ranks[0]["range_len"] == 6
-    assert ranks[0]["tqdm_inside"] == [0, 2, 4, 6, 8]
+def test_a_counting_range_takes_every_world_size_th_value_up_to_the_last_on_every_rank(ranks):
+    assert ranks[0]["range"] == ranks[1]["range"] == [4, 6, 8, 10, 12]  # no step more than half
+    assert ranks[0]["range_len"] == 5
+    assert ranks[0]["tqdm_inside"] == [0, 2, 4, 6, 8]  # 9 values: counted back from 8
 
 
 def test_a_checkpoint_that_holds_a_step_holds_a_plain_number(ranks, tmp_path_factory):
@@ -217,19 +217,21 @@ def test_a_strided_step_keeps_the_scripts_schedule_cadence_and_exact_steps():
     from gpumigrate.runtime.batches import _counter
 
     steps = _counter(range(0, 40), 2)
-    assert [int(s) for s in steps] == [*range(0, 40, 2), 39]
-    assert [int(s) for s in steps if s % 10 == 9] == [18, 38]  # every 10th of this rank's steps
-    assert [int(s) for s in steps if (s + 1) % 10 == 0] == [18, 38]
+    assert [int(s) for s in steps] == [*range(1, 40, 2)]  # ends on the script's last step, no step more
+    assert [int(s) for s in steps if s % 10 == 9] == [19, 39]  # every 10th of this rank's steps
+    assert [int(s) for s in steps if (s + 1) % 10 == 0] == [19, 39]
     assert [int(s) for s in steps if s % 2 == 0] == [int(s) for s in steps[0::2]]  # alternation per own step
-    assert [int(s) for s in steps if s == 39] == [39] and [int(s) for s in steps if s == 7] == [6]
-    assert [int(s) for s in steps if s in (10, 11)] == [10]
+    assert [int(s) for s in steps if s == 39] == [39] and [int(s) for s in steps if s == 6] == [7]
+    assert [int(s) for s in steps if s in (10, 11)] == [11] and [int(s) for s in steps if s == 0] == [1]
     assert sum(1 for s in steps if s != 0) == len(steps) - 1
-    assert steps[3] / 40 == 0.15 and steps[3] < 7 and steps[3] * 2 == 12 and list(range(9))[steps[2]] == 4
+    assert steps[3] / 40 == 0.175 and steps[3] < 8 and steps[3] * 2 == 14 and list(range(9))[steps[2]] == 5
     restored = pickle.loads(pickle.dumps(steps[3]))
-    assert restored == 6 and type(restored) is int  # a checkpoint holding a step needs no gpumigrate
-    assert json.dumps({"it": steps[3]}) == '{"it": 6}' and f"{steps[3]:3d}" == "  6" and str(steps[3] + 1) == "7"
+    assert restored == 7 and type(restored) is int  # a checkpoint holding a step needs no gpumigrate
+    assert json.dumps({"it": steps[3]}) == '{"it": 7}' and f"{steps[3]:3d}" == "  7" and str(steps[3] + 1) == "8"
+    assert [int(s) for s in _counter(range(1, 25), 2)][:2] == [2, 4] and _counter(range(1, 25), 2)[0].local == 1
     down = _counter(range(10, 0, -1), 2)
-    assert [int(s) for s in down] == [10, 8, 6, 4, 2, 1] and [int(s) for s in down if s == 9] == [10]
+    assert [int(s) for s in down] == [9, 7, 5, 3, 1] and [int(s) for s in down if s == 10] == [9]
+    assert [int(s) for s in down if s == 1] == [1]
 
 
 LAZY = """\
@@ -257,7 +259,7 @@ def test_a_module_migrated_without_its_script_joins_the_group_at_first_use(tmp_p
     code, _, stderr = torchrun(script, str(tmp_path))
     assert code == 0, stderr[-3000:]
     first, second = (torch.load(tmp_path / f"lazy{r}.pt") for r in range(2))
-    assert first["seen"] == second["seen"] == [0, 2, 4, 5]
+    assert first["seen"] == second["seen"] == [1, 3, 5]
     assert torch.equal(first["w"], second["w"])
     assert stderr.count("joined the process group at the first distributed helper") == 1
 

@@ -156,10 +156,10 @@ def test_a_rank_ahead_takes_part_in_the_steps_of_the_phase_the_others_are_still_
 def test_migrated_replay_buffer_dqn_runs_to_the_end_under_torchrun(tmp_path):
     """fixtures/scripts/rl_replay_dqn.py: episodes of unseeded random length, training from a
     replay buffer once it is full enough, inside the episode loop. The episode loop is sharded
-    by its counter (each rank plays every second episode of the 40, and the last), so the
+    by its counter (each rank plays every second episode of the 40, ending on the last), so the
     ranks reach the optimizer step a different number of times; the migrated script (no DDP
     wrap, gradients averaged at the step) must end on both ranks with the same weights, print
-    once (every 10th of rank 0's 21 episodes: `n_epi % 10 == 9` counts its own), and save once."""
+    once (every 10th of rank 0's 20 episodes: `n_epi % 10 == 9` counts its own), and save once."""
     golden = FIXTURES / "expected" / "ddp" / "rl_replay_dqn.py"
     assert "wrap_model(" not in golden.read_text()
     one = run_probe(golden, tmp_path / "one", 1)

@@ -35,9 +35,9 @@ def shard_batches(iterable: Any, *, indices: bool = False, seed: int = 0) -> Any
       indices one by one) gets its batches dealt out round-robin before they are loaded; an
       IterableDataset or a DataLoader subclass has its batches dealt out as they come.
     - `range(...)`, a loop that counts steps around data made inside it (random draws, a
-      generator, an environment's episodes): every rank takes every WORLD_SIZE-th value and
-      the last, the same values on every rank (so every test on the counter goes the same way
-      everywhere). Each value is the script's own step number, so schedules computed from it
+      generator, an environment's episodes): every rank takes every WORLD_SIZE-th value,
+      counted back from the last, the same values on every rank (so every test on the counter
+      goes the same way everywhere, and the loop ends on the script's last step). Each value is the script's own step number, so schedules computed from it
       run as they did; `it % k` counts this rank's steps and `it == n` holds at the step that
       stands for the script's step n (see `_Step`): `if (it + 1) % 100 == 0:` and `if it ==
       n_iters - 1:` still fire.
@@ -178,12 +178,15 @@ _DEALT: "weakref.WeakKeyDictionary[DataLoader, DataLoader]" = weakref.WeakKeyDic
 
 
 def _counter(steps: range, world: int) -> List[int]:
-    """Every `world`-th value of `steps` from the first, and the last one, as `_Step`s."""
-    values = list(steps[::world])
-    if len(steps) and values[-1] != steps[-1]:
-        values.append(steps[-1])
-    # each value stands for the script's steps up to the next one (the last, for itself)
-    widths = [b - a for a, b in zip(values, values[1:])] + [1 if steps.step > 0 else -1]
+    """Every `world`-th value of `steps`, counted back from the last, as `_Step`s: each stands
+    for the script's steps since the value before it (the first, for those from the start),
+    so the loop ends on the script's last step, and `it == n` finds every step n, without a
+    step more than 1/world of them."""
+    if not len(steps):
+        return []
+    values = list(steps[::-1][::world])[::-1]
+    # what each value stands for: back to (not including) the value before it
+    widths = [-(values[0] - steps[0] + steps.step)] + [-(b - a) for a, b in zip(values, values[1:])]
     _save_steps_as_numbers()
     # this rank's own step count starts where the script's did (`range(1, n + 1)`: at 1), so
     # `it % k == 0` fires at the rank's k-th step as the script's at its k-th
