@@ -193,6 +193,24 @@ def test_a_script_without_training_gets_only_the_device_changes():
     assert any("no training found" in r for r in reviews)
 
 
+def test_a_library_trainer_given_the_scripts_optimizer_is_averaged_at_its_steps():
+    """No backward here: ignite's trainer (or any library's) steps the script's optimizer. The
+    group is set up, the model wrapped, the training loader sharded, and the review says so."""
+    out, reviews = ddp("""\
+        from ignite.engine import create_supervised_trainer
+        model = torch.nn.Linear(4, 1).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_loader = DataLoader(train_set, batch_size=4, shuffle=True)
+        trainer = create_supervised_trainer(model, optimizer, torch.nn.MSELoss(), device="cuda")
+        trainer.run(train_loader, max_epochs=2)
+        torch.save(model.state_dict(), "model.pt")
+        """)
+    assert "setup_distributed()" in out and "model = wrap_model(model)" in out
+    assert "sampler=distributed_sampler(train_set)" in out and "if is_main_process():\n    torch.save(" in out
+    assert any("the training loop is a library's" in r and "distributed_sampler" in r for r in reviews), reviews
+    assert not any("no training found" in r for r in reviews)
+
+
 def test_a_module_without_torch_is_left_alone():
     source = "import sys\n\ndef main():\n    print(sys.argv)\n\nif __name__ == '__main__':\n    main()\n"
     assert migrate(source.encode(), "ddp").new_source is None

@@ -133,6 +133,7 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         self._wrapped_memo: Dict[int, bool] = {}
         self._visited: Optional[Set[Tuple[str, int]]] = None  # the walk of wrapped_reference
         self.own_launch_note: Optional[str] = None  # said where the script distributes itself
+        self.library_training: Optional[cst.Call] = None  # the optimizer a library trains with (no backward here)
 
     @property
     def s(self):
@@ -249,7 +250,11 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
                 # exist_ok=False): gated to rank 0 where the script is migrated in this run
                 return self.helper_module
             first = self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module
-            first = self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module
+            if self.model.optimizers:
+                # a library trains with the script's optimizer (ignite's create_supervised_trainer, a
+                # Trainer object): the runtime averages the gradients at each of its steps
+                self.library_training = self.model.optimizers[0].call
+                return True
             self._decline(first, "no training found (no `.backward()` or `optimizer.step()`): nothing to distribute, "
                                  "so --to ddp made only the device changes; run it with python")
             return False
@@ -304,6 +309,15 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
         items = list(self.reviews)
         if self.helper_module:
             return items  # it trains nothing: what follows is about training
+        if self.library_training is not None:
+            sharded = any(e.kind in ("train", "flag") and e.problem is None for e in self.loader_edits.values())
+            items.append((self.library_training, "the training loop is a library's (no `.backward()` here): the "
+                          "process group is set up and the gradients are averaged at each step of this optimizer, "
+                          "so the ranks keep one model; " + (
+                              "check that the loader given a distributed_sampler here is the one the library trains on"
+                              if sharded else "the data the library iterates is not sharded (each rank draws its own "
+                              "order: correct, not faster); for a speed-up give its training loader "
+                              "`sampler=distributed_sampler(dataset)`")))
         first = (self.model.backward_calls or self.model.step_calls or self.ctx.module.body)[0]
         # a driver's training, optimizers and data are its trainer module's to report; a trainer
         # module's optimizers may be its script's
