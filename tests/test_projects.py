@@ -96,9 +96,9 @@ def test_the_solver_project_trains_data_parallel(tmp_path):
     _assert_identical_weights(run)
     passes = [[len(it["indices"]) for it in run.ranks[r]["samplers"] if it.get("dataset_len") == 48]
               for r in range(2)]
-    # the 12 iterations sharded by their counter: every second one and the last, 7 per rank, of 8
-    # samples from this rank's 24 (2 whole passes and one batch of a third), then the test pass
-    assert passes[0] == passes[1] == [24, 24, 8, 48], passes
+    # the 12 iterations sharded by their counter: every second one, ending on the last, 6 per rank,
+    # of 8 samples from this rank's 24 (2 whole passes), then the test pass
+    assert passes[0] == passes[1] == [24, 24, 48], passes
     first = [set(run.ranks[r]["samplers"][0]["indices"]) for r in range(2)]
     assert not first[0] & first[1] and len(first[0] | first[1]) == 48, "the ranks' shards overlap"
     assert _printed(run, 0).count("train accuracy") == 1 and _printed(run, 1) == ""
