@@ -273,7 +273,66 @@ def _no_grad_call(ctx) -> cst.BaseExpression:
 
 
 def no_grad_decorator(ctx) -> cst.Decorator:
-    return cst.Decorator(decorator=_no_grad_call(ctx))
+    """`@torch.no_grad()`: evaluated where the function is defined, so its name must be bound
+    at module level (a script that imports torch only inside functions gets `import torch`)."""
+    call = _no_grad_call(ctx)
+    root = call.func
+    while isinstance(root, cst.Attribute):
+        root = root.value
+    if isinstance(root, cst.Name) and root.value not in _module_level_names(ctx.module):
+        # AddImportsVisitor takes an `import torch` inside a function for one at the top
+        ctx.add_finisher("module-level import torch", _import_torch_at_top)
+        call = cst.parse_expression("torch.no_grad()")
+    return cst.Decorator(decorator=call)
+
+
+def _import_torch_at_top(module: cst.Module) -> cst.Module:
+    if "torch" in _module_level_names(module):
+        return module
+    at = 0
+    for i, stmt in enumerate(module.body):  # after the docstring and `from __future__` imports
+        if i == 0 and m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) or \
+                m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom(module=m.Name("__future__"))])):
+            at = i + 1
+        else:
+            break
+    line = cst.parse_statement("import torch\n")
+    rest = list(module.body[at:])
+    if rest and isinstance(rest[0], (cst.FunctionDef, cst.ClassDef)) and not rest[0].leading_lines:
+        rest[0] = rest[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])  # PEP 8
+    return module.with_changes(body=[*module.body[:at], line, *rest])
+
+
+def _module_level_names(module: cst.Module) -> Set[str]:
+    """The names the module's top-level imports bind (in `if`/`try` blocks at top level too,
+    not under `if __name__ == "__main__":`, which runs after every definition)."""
+    names: Set[str] = set()
+    todo = list(module.body)
+    while todo:
+        stmt = todo.pop()
+        if isinstance(stmt, cst.If) and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
+            continue
+        if isinstance(stmt, (cst.If, cst.Try)):
+            todo.extend(stmt.body.body)
+            orelse = stmt.orelse
+            if isinstance(orelse, cst.If):
+                todo.append(orelse)
+            elif orelse is not None:
+                todo.extend(orelse.body.body)
+            for handler in getattr(stmt, "handlers", ()):
+                todo.extend(handler.body.body)
+            continue
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar):
+                for alias in small.names:
+                    bound = alias.asname.name if alias.asname else alias.name
+                    if isinstance(bound, cst.Name):
+                        names.add(bound.value)
+                    elif isinstance(bound, cst.Attribute):
+                        names.add((dotted(bound) or "").split(".")[0])
+    return names
 
 
 def no_grad_with(ctx, stmts) -> cst.With:
