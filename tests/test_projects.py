@@ -372,3 +372,15 @@ def test_a_logger_class_in_a_helper_keeps_its_state_on_every_rank(tmp_path):
     text = (project / "utility" / "log.py").read_text()
     assert "        self.flush()\n        self._reset(n)\n" in text, text
     assert "            if is_main_process():\n                print('loss'" in text, text
+
+
+@pytest.mark.parametrize("target", ["device", "ddp"])
+def test_a_function_that_trains_through_a_helper_module_gets_no_no_grad(target, tmp_path):
+    """`run()` calls `model.eval()` after each epoch, and trains through `train_one_epoch`
+    of engine.py (handed the optimizer): under `@torch.no_grad()` its backward would fail."""
+    project = tmp_path / "engine_helper"
+    shutil.copytree(PROJECTS / "engine_helper", project)
+    done = _cli(project, "--to", target)
+    assert done.exit_code == 0, done.output
+    assert "no_grad" not in (project / "train.py").read_text()
+    assert "1 " in _ok(_run(project / "train.py"))  # both epochs printed

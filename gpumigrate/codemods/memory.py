@@ -15,6 +15,7 @@ from typing import List, Optional, Set, Union
 import libcst as cst
 
 from gpumigrate.analysis import script_model
+from gpumigrate.analysis import values as v
 from gpumigrate.analysis.structure import dotted, target_names
 from gpumigrate.analysis.values import FUNCTIONAL_LOSSES
 from gpumigrate.codemods.amp_plan import amp_plan
@@ -337,7 +338,27 @@ class _EvalPlan:
             return False  # `def _eval(self): self.actor.eval()`: it only switches modes, no graph to save
         fn = self.model.s.functions.get(id(func))
         return fn is not None and not self.model.function_trains(fn) and not self.model.under_no_grad(func) \
-            and not self._no_grad_inside(func)
+            and not self._no_grad_inside(func) and not self._may_train_elsewhere(func, 0)
+
+    def _may_train_elsewhere(self, func: cst.FunctionDef, depth: int) -> bool:
+        """Does `func` (or a function of this file it calls) hand an optimizer to a call, or
+        call a function of a project module that trains (`train_one_epoch(model, loader)` from
+        engine.py)? Its training is out of sight: under `no_grad` it could not backward."""
+        project = self.ctx.options.get("project")
+        trainers = {name for link in getattr(project, "imports", ()) if "backward" in link.calls
+                    for name in (*link.defines, *(m_.split(".")[-1] for m_ in link.methods), *link.steps)}
+        for call in findall(func.body, m.Call()):
+            if any(self.model.kind(a.value) == v.OPTIMIZER for a in call.args):
+                return True
+            name = call.func.value if isinstance(call.func, cst.Name) else \
+                call.func.attr.value if isinstance(call.func, cst.Attribute) else None
+            target = self.model.s.callee(call)
+            if target is None and name in trainers:
+                return True
+            if target is not None and isinstance(target.node, cst.FunctionDef) and target.node is not func and \
+                    depth < 3 and self._may_train_elsewhere(target.node, depth + 1):
+                return True
+        return False
 
     def _no_grad_inside(self, node: cst.CSTNode) -> bool:
         return any(self.model.under_no_grad(w) for w in self.model.s.inside(node, cst.With))
