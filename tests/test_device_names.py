@@ -440,3 +440,33 @@ def test_the_late_binding_fixture_runs_with_and_without_its_flags(tmp_path):
     for args in ([], ["--device", "cpu"]):
         printed = run(out, tmp_path, "--epochs", "1", *args)
         assert "reloaded val_acc" in printed
+
+
+@pytest.mark.e2e
+def test_a_parameter_defaulting_to_cuda_defaults_to_the_runtime_device(tmp_path):
+    """`def train(model, device="cuda")`: a caller may pass another device, so the default
+    stays a string, the runtime's device's name (evaluated where the function is defined)."""
+    out = fix("""\
+        import torch
+
+
+        def make_batch(n, device="cuda"):
+            return torch.randn(n, 4, device=device), torch.randn(n, 1, device=device)
+
+
+        def train(model, steps=3, *, device: str = 'cuda:0'):
+            model.to(device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(steps):
+                x, y = make_batch(8)
+                opt.zero_grad()
+                ((model(x.to(device)) - y.to(device)) ** 2).mean().backward()
+                opt.step()
+            return device
+
+
+        print(train(torch.nn.Linear(4, 1)), train(torch.nn.Linear(4, 1), device="cpu"))
+        """)
+    assert 'def make_batch(n, device=get_device().type):' in out
+    assert "device: str = str(get_device())" in out
+    assert run(out, tmp_path).split() == ["cpu", "cpu"]

@@ -347,8 +347,32 @@ def named_devices(s: Structure, facts: "DeviceFacts", qualify) -> List[NamedDevi
         for flag in facts.device_flags:
             reads = [n for n in attributes if n.value.value in parsed and n.attr.value == flag.dest and is_read(s, n)]
             found.append(NamedDevice(f"--{flag.dest}", [flag.default], reads, [], [True] * len(reads), flag=True))
+    found.extend(_parameter_defaults(s))
     for named in found:
         named.uses = [device_use(s, qualify, read) for read in named.reads]
+    return found
+
+
+def _parameter_defaults(s: Structure) -> List[NamedDevice]:
+    """Parameters defaulting to a CUDA device's name (`def train(model, device="cuda")`):
+    read in their function; a caller may pass another value, as a flag's user may."""
+    found: List[NamedDevice] = []
+    for fn in s.functions.values():
+        node = fn.node
+        if not isinstance(node, cst.FunctionDef):
+            continue
+        for param in (*node.params.params, *node.params.kwonly_params):
+            if param.default is None or cuda_name(param.default) is None or \
+                    not isinstance(param.default, (cst.SimpleString, cst.ConcatenatedString)):
+                continue
+            name = param.name.value
+            reads = []
+            for read in s.index.subtree(node.body):
+                if isinstance(read, cst.Name) and read.value == name and is_read(s, read):
+                    scope, bindings = s.lookup(name, s.scope(read), s.order(read))
+                    if scope is not None and scope.node is node and all(b.how == "param" for b in bindings):
+                        reads.append(read)
+            found.append(NamedDevice(name, [param.default], reads, [], [True] * len(reads), flag=True))
     return found
 
 
