@@ -185,9 +185,6 @@ def test_a_loop_around_a_modules_step_methods_is_sharded_where_it_counts(runs):
     # `iter_idx % 8 == 0` fires at the rank's 8th step, as the script's at its 8th: not at the first
     printed = [line.split()[1] for line in pair.ddp.ranks[0]["stdout"].splitlines() if line.startswith("iter ")]
     assert printed and "1" not in printed, printed
-    # the script saves `model.generator.state_dict()` of a generator the module wrapped: plain keys
-    saved = torch.load(project / "wgan.pt")
-    assert sorted(saved["G"]) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"], list(saved["G"])
 
 
 def test_an_update_over_the_agents_own_rollout_keeps_its_epochs(runs):

@@ -81,11 +81,8 @@ WRONG: Dict[str, Tuple[str, List[Edit], str]] = {
     # every rank prints, every rank writes the checkpoint
     "print on every rank": ("ddp", [(GUARDED_PRINT, '    if True:\n        print("epoch')], "output on rank 0 only"),
     "save on every rank": ("ddp", [(SAVE, SAVE.replace("if is_main_process():", "if True:"))], "files on rank 0 only"),
-    # a plain DDP wrapper's state_dict (wrap_model's has the module's keys): 'module.' keys do not
-    # load into the original model
-    "checkpoint with module. keys": ("ddp", [(WRAP, "model = torch.nn.parallel.DistributedDataParallel(model) if "
-                                                    "torch.distributed.is_initialized() else model\n"),
-                                             ("unwrap_model(model).state_dict()", "model.state_dict()")],
+    # the DDP wrapper's state_dict: 'module.' keys do not load into the original model
+    "checkpoint with module. keys": ("ddp", [("unwrap_model(model).state_dict()", "model.state_dict()")],
                                      "checkpoints"),
     # training under no_grad: backward() raises
     "no_grad around training": ("ddp", [(TRAIN_STEP, "        with torch.no_grad():\n"

@@ -612,34 +612,11 @@ def wrap_model(
         (only,) = devices
         if only.type not in ("cpu", "mps") and only.index is not None:  # one accelerator: CUDA, XPU, ...
             device_ids = [only.index]
-    wrapped = _Wrapped(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **ddp_options)
+    wrapped = nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **ddp_options
+    )
     _note_wrapped(wrapped)
     return wrapped
-
-
-class _Wrapped(nn.parallel.DistributedDataParallel):
-    """DistributedDataParallel whose state_dict has the wrapped module's keys (no `module.`),
-    so a checkpoint is the same under torchrun as in one process (where `wrap_model` returns the
-    model itself), whoever saves it: a trainer's `self.net`, a parent module holding the
-    wrapper, an EMA copying it. Loading takes either spelling."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._register_load_state_dict_pre_hook(_with_module_prefix)
-
-    def _get_name(self) -> str:  # prints as the DDP it is
-        return "DistributedDataParallel"
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.state_dict(*args, **kwargs)
-
-
-def _with_module_prefix(state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
-    """A load pre-hook of `_Wrapped`: the keys under `prefix` that lack `module.` get it (the
-    wrapper's own parameters live under `module.`); loading edits a copy, never the caller's."""
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 class _BatchNormAnyDim(nn.modules.batchnorm._BatchNorm):
