@@ -228,6 +228,11 @@ def _settle_gloo_threads(interval: float = 0.012, timeout: float = 2.0) -> None:
         before = after
 
 
+# A script that joins its group itself (its own torchrun path, keeping a DDP model and so the
+# group to the end) never calls cleanup_distributed: its gloo workers are settled at exit too.
+atexit.register(_settle_gloo_threads)
+
+
 # A rank that fails must not leave the others waiting for it in a collective (gloo waits 30
 # minutes, NCCL up to forever). torchrun's agent stops the other ranks once the failed process
 # has exited, and gloo's collectives raise once its connections close; neither happens while the
