@@ -34,6 +34,7 @@ from gpumigrate.codemods.helpers import (
 )
 from gpumigrate.codemods.amp_plan import constructed_from
 from gpumigrate.rewriter.facts import SourceFacts
+from gpumigrate.rewriter.names import ImportTable
 from gpumigrate.rewriter.lazy import matchers as m
 
 VARIABLE = ("torch.autograd.Variable", "torch.autograd.variable.Variable")
@@ -287,52 +288,23 @@ def no_grad_decorator(ctx) -> cst.Decorator:
 
 
 def _import_torch_at_top(module: cst.Module) -> cst.Module:
+    from gpumigrate.codemods.device_plan import _after_imports  # device_plan imports the rules' helpers
+
     if "torch" in _module_level_names(module):
         return module
-    at = 0
-    for i, stmt in enumerate(module.body):  # after the docstring and `from __future__` imports
-        if i == 0 and m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) or \
-                m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom(module=m.Name("__future__"))])):
-            at = i + 1
-        else:
-            break
-    line = cst.parse_statement("import torch\n")
+    at = _after_imports(module)
     rest = list(module.body[at:])
     if rest and isinstance(rest[0], (cst.FunctionDef, cst.ClassDef)) and not rest[0].leading_lines:
         rest[0] = rest[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])  # PEP 8
-    return module.with_changes(body=[*module.body[:at], line, *rest])
+    return module.with_changes(body=[*module.body[:at], cst.parse_statement("import torch\n"), *rest])
 
 
 def _module_level_names(module: cst.Module) -> Set[str]:
-    """The names the module's top-level imports bind (in `if`/`try` blocks at top level too,
-    not under `if __name__ == "__main__":`, which runs after every definition)."""
-    names: Set[str] = set()
-    todo = list(module.body)
-    while todo:
-        stmt = todo.pop()
-        if isinstance(stmt, cst.If) and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
-            continue
-        if isinstance(stmt, (cst.If, cst.Try)):
-            todo.extend(stmt.body.body)
-            orelse = stmt.orelse
-            if isinstance(orelse, cst.If):
-                todo.append(orelse)
-            elif orelse is not None:
-                todo.extend(orelse.body.body)
-            for handler in getattr(stmt, "handlers", ()):
-                todo.extend(handler.body.body)
-            continue
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            continue
-        for small in stmt.body:
-            if isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar):
-                for alias in small.names:
-                    bound = alias.asname.name if alias.asname else alias.name
-                    if isinstance(bound, cst.Name):
-                        names.add(bound.value)
-                    elif isinstance(bound, cst.Attribute):
-                        names.add((dotted(bound) or "").split(".")[0])
-    return names
+    """The names the module's imports bind outside its functions and classes, and not under
+    `if __name__ == "__main__":`, which runs after every definition."""
+    top = [stmt for stmt in module.body if not isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and
+           not (isinstance(stmt, cst.If) and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))))]
+    return set(ImportTable(module.with_changes(body=top)).local)
 
 
 def no_grad_with(ctx, stmts) -> cst.With:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import re
+from functools import cached_property
 from typing import List, Optional, Set, Union
 
 import libcst as cst
@@ -344,21 +345,25 @@ class _EvalPlan:
         """Does `func` (or a function of this file it calls) hand an optimizer to a call, or
         call a function of a project module that trains (`train_one_epoch(model, loader)` from
         engine.py)? Its training is out of sight: under `no_grad` it could not backward."""
-        project = self.ctx.options.get("project")
-        trainers = {name for link in getattr(project, "imports", ()) if "backward" in link.calls
-                    for name in (*link.defines, *(m_.split(".")[-1] for m_ in link.methods), *link.steps)}
         for call in findall(func.body, m.Call()):
             if any(self.model.kind(a.value) == v.OPTIMIZER for a in call.args):
                 return True
             name = call.func.value if isinstance(call.func, cst.Name) else \
                 call.func.attr.value if isinstance(call.func, cst.Attribute) else None
             target = self.model.s.callee(call)
-            if target is None and name in trainers:
+            if target is None and name in self._project_trainers:
                 return True
             if target is not None and isinstance(target.node, cst.FunctionDef) and target.node is not func and \
                     depth < 3 and self._may_train_elsewhere(target.node, depth + 1):
                 return True
         return False
+
+    @cached_property
+    def _project_trainers(self) -> Set[str]:
+        """The functions and methods of the project modules this file imports that train."""
+        project = self.ctx.options.get("project")
+        return {name for link in getattr(project, "imports", ()) if "backward" in link.calls
+                for name in (*link.defines, *(m_.split(".")[-1] for m_ in link.methods), *link.steps)}
 
     def _no_grad_inside(self, node: cst.CSTNode) -> bool:
         return any(self.model.under_no_grad(w) for w in self.model.s.inside(node, cst.With))
