@@ -706,4 +706,3 @@ def test_synchronize_without_an_accelerator_returns(rt):
     with pytest.raises((RuntimeError, AssertionError)):
         torch.cuda.synchronize()
     assert rt.synchronize() is None
-

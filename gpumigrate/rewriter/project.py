@@ -159,8 +159,9 @@ def _step_functions(tree: ast.Module) -> Tuple[str, ...]:
             elif isinstance(child, (ast.ClassDef, ast.Lambda)):
                 visit(child, None, ())
             else:
-                if fn is not None and isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and \
-                        child.func.attr == "backward" and (not loops or all(map(_counts, loops)) and _takes_no_data(fn)):
+                backward = isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and \
+                    child.func.attr == "backward"
+                if fn is not None and backward and (not loops or all(map(_counts, loops)) and _takes_no_data(fn)):
                     out.add(fn.name)
                 visit(child, fn, loops + (child,) if isinstance(child, (ast.For, ast.While, ast.AsyncFor)) else loops)
 

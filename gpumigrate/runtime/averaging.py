@@ -486,11 +486,16 @@ def average_gradients(target: Union[torch.optim.Optimizer, torch.Tensor, Iterabl
 _shadowing = False  # a finished rank steps with the others' mean: no averaging of its own
 
 
+def _numbered(key: int) -> Optional[torch.optim.Optimizer]:
+    """The live optimizer made `key`-th (the same one on every rank), or None."""
+    return next((ref() for number, ref in _OPTIMIZERS.values() if number == key), None)
+
+
 @shadow(PARAMS)
 def _shadow_params(key: int) -> None:
     """A rank whose script has ended, where another makes the plan of optimizer #`key`: it
     takes part in the broadcast of that optimizer's parameters."""
-    optimizer = next((ref() for number, ref in _OPTIMIZERS.values() if number == key), None)
+    optimizer = _numbered(key)
     if optimizer is None:
         raise RuntimeError(f"gpumigrate.runtime: a rank that has finished cannot take part in the first step of "
                            f"optimizer #{key}, which it no longer has")
@@ -504,7 +509,7 @@ def _shadow_step(key: int) -> None:
     them, so every rank ends with the same parameters however many steps each took. An
     optimizer gone with its script's objects only adds zeros."""
     global _shadowing
-    optimizer = next((ref() for number, ref in _OPTIMIZERS.values() if number == key), None)
+    optimizer = _numbered(key)
     if optimizer is None:
         _shadow_average(key)
         return

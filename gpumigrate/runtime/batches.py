@@ -37,10 +37,11 @@ def shard_batches(iterable: Any, *, indices: bool = False, seed: int = 0) -> Any
     - `range(...)`, a loop that counts steps around data made inside it (random draws, a
       generator, an environment's episodes): every rank takes every WORLD_SIZE-th value,
       counted back from the last, the same values on every rank (so every test on the counter
-      goes the same way everywhere, and the loop ends on the script's last step). Each value is the script's own step number, so schedules computed from it
-      run as they did; `it % k` counts this rank's steps and `it == n` holds at the step that
-      stands for the script's step n (see `_Step`): `if (it + 1) % 100 == 0:` and `if it ==
-      n_iters - 1:` still fire.
+      goes the same way everywhere, and the loop ends on the script's last step). Each value
+      is the script's own step number, so schedules computed from it run as they did; `it %
+      k` counts this rank's steps and `it == n` holds at the step that stands for the
+      script's step n (see `_Step`): `if (it + 1) % 100 == 0:` and `if it == n_iters - 1:`
+      still fire.
     - `range(...)` with `indices=True`, a range whose values index the data (`x[i:i + bs]`,
       `get_batch(data, i)`): each rank takes its own contiguous block of the values (batches
       that follow each other, as a hidden state carried from one to the next expects, stay

@@ -863,7 +863,7 @@ def _describe_models(out_dir: Path, rank: int) -> list:
         TORCH_SAVE(vector, out_dir / name)  # the unpatched one: not one of the script's saves
         described.append({
             "index": i,
-            "wrapper": wrapped._get_name(),  # the runtime's DDP subclass prints as DistributedDataParallel
+            "wrapper": type(wrapped).__name__,
             "module": type(module).__qualname__,
             "state_sha256": _sha(module.state_dict().items()),
             "params_sha256": _sha(params),

@@ -189,8 +189,8 @@ class TrainingLoops:
                                          for n in self.s.index.subtree(t.test))]
                 if tests:
                     out.append((tests[0], f"`{name}` now advances by WORLD_SIZE per iteration (every rank takes "
-                                          f"every WORLD_SIZE-th value of `{code}`, ending on its last): check tests of an "
-                                          "exact value or of a multiple WORLD_SIZE does not divide; a schedule "
+                                          f"every WORLD_SIZE-th value of `{code}`, ending on its last): check tests "
+                                          "of an exact value or of a multiple WORLD_SIZE does not divide; a schedule "
                                           "stepped once per iteration advances 1/WORLD_SIZE as far"))
         return out
 
