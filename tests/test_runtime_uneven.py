@@ -49,15 +49,17 @@ def step(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
 
 
 RUNNER = """\
-import os, sys, threading
+import atexit, os, sys, threading
 import torch
 from gpumigrate.runtime import barrier, broadcast_object, get_rank, reduce_sum, setup_distributed
 from tests.test_runtime_uneven import EXTRA, SHARED, batch, flat, model, step
 
 threading.Thread(target=lambda: (threading.Event().wait(90), os._exit(3)), daemon=True).start()
+out = sys.argv[1]
+# registered before setup_distributed's cleanup, so run after it: the weights each rank ends with
+atexit.register(lambda: torch.save(flat(net), os.path.join(out, "end{}.pt".format(rank))))
 setup_distributed()
 rank = get_rank()
-out = sys.argv[1]
 net = model(100 + rank)  # different weights per rank: the first step must broadcast rank 0's
 opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 other_net = model(7)
@@ -65,6 +67,10 @@ other = torch.optim.SGD(other_net.parameters(), lr=0.1)
 
 def main():
     record = {}
+    if sys.argv[2] == "late":  # rank 0 never steps (a replay buffer that never filled there)
+        for k in range(SHARED if rank == 1 else 0):
+            step(net, opt, batch(rank, k))
+        return
     if sys.argv[2] == "phases":  # rank 0 steps `opt` twice more; then both ranks train `other`
         for k in range(SHARED + (2 if rank == 0 else 0)):
             step(net, opt, batch(rank, k))
@@ -149,6 +155,22 @@ def test_a_rank_ahead_takes_part_in_the_steps_of_the_phase_the_others_are_still_
     for name, expected in (("net", flat(net)), ("other", flat(other_net))):
         assert torch.equal(ranks[0][name], ranks[1][name]), f"{name}: the ranks differ"
         torch.testing.assert_close(ranks[0][name], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_that_never_stepped_takes_part_in_the_first_step_and_the_rest(tmp_path):
+    """Rank 0 ends before rank 1's first step: it takes part in that step's broadcast of rank
+    0's weights, then in each average (its optimizer's plan is made there, with no agreement of
+    its own that rank 1 would not answer), and both end with one process's weights on rank 1's
+    batches alone."""
+    code, _, stderr = _run(tmp_path, "late")
+    assert code == 0, stderr[-4000:]
+    net = model(100)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for k in range(SHARED):
+        step(net, opt, batch(1, k))
+    ends = [torch.load(tmp_path / f"end{r}.pt") for r in range(2)]
+    assert torch.equal(ends[0], ends[1]), "the ranks end with different weights"
+    torch.testing.assert_close(ends[1], flat(net), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- a migrated script

@@ -190,9 +190,10 @@ class _Plan:
         return True
 
 
-def _optimizer_plan(optimizer: torch.optim.Optimizer) -> _Plan:
+def _optimizer_plan(optimizer: torch.optim.Optimizer, agreed: bool = False) -> _Plan:
     """The optimizer's plan: cached, rebuilt when stale. When it is first made, the
-    optimizer's parameters are broadcast from rank 0."""
+    optimizer's parameters are broadcast from rank 0, once the ranks agree on it (`agreed`: a
+    rank taking part in another's first step, which agreed on it already)."""
     plan = optimizer.__dict__.get(_PLAN)
     if plan is not None and plan.fits(optimizer):
         return plan
@@ -216,7 +217,8 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer) -> _Plan:
     optimizer.__dict__[_PLAN] = plan
     _plans_version += 1
     if first and params:  # once: add_param_group broadcasts what is added later
-        agree(PARAMS, plan.key)  # a rank ahead of another (uneven.py) takes part in its steps first
+        if not agreed:
+            agree(PARAMS, plan.key)  # a rank ahead of another (uneven.py) takes part in its steps first
         _broadcast(params)
     return plan
 
@@ -499,7 +501,9 @@ def _shadow_params(key: int) -> None:
     if optimizer is None:
         raise RuntimeError(f"gpumigrate.runtime: a rank that has finished cannot take part in the first step of "
                            f"optimizer #{key}, which it no longer has")
-    _broadcast(_unwrapped([p for group in optimizer.param_groups for p in group["params"]]))
+    # This rank never stepped it (else the ranks would have agreed on its first step then): its
+    # plan is made here, so that taking part in the averages that follow asks for no agreement.
+    _optimizer_plan(optimizer, agreed=True)
 
 
 @shadow(AVERAGE)
