@@ -889,11 +889,12 @@ class ScriptModel:
         for node in self.s.index.order:
             kind = type(node)
             if kind is cst.For or kind is cst.CompFor:
+                relay = kind is cst.For and self._relays(node)  # its batches are the caller's, where it draws them
                 for holder in self._iterated(node.iter):
                     if self.kind(holder) in (v.LOADER, v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                         loop = node if isinstance(node, cst.For) else self.s.statement(node)
                         trains = self.trains(node.body) if isinstance(node, cst.For) else self._loop_trains(node)
-                        out.append(Consumption(loop, holder, trains))
+                        out.append(Consumption(loop, holder, trains, peek=relay and not trains))
             elif kind is cst.Call and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                 trains = self._loop_trains(node)
@@ -989,6 +990,28 @@ class ScriptModel:
                 for ret in callee.returns:
                     for origin in self._returned_loaders(ret, depth):
                         out.append((origin, value))
+                out.extend((origin, None) for origin in self._relayed(value, callee, depth))
+        return out
+
+    def _relays(self, loop: cst.For) -> bool:
+        """A loop of a generator function that yields what it draws (`def infiniteloop(loader):
+        while True: for x, y in loader: yield x`): whoever draws from the generator consumes."""
+        fn = self.s.function(loop)
+        return fn is not None and any(self.s.function(y) is fn for y in self.s.inside(loop.body, cst.Yield))
+
+    def _relayed(self, call: cst.Call, callee: Any, depth: int) -> List[cst.Call]:
+        """The DataLoader calls a call of such a generator relays: what it passes for the
+        parameter the generator's loop iterates."""
+        out: List[cst.Call] = []
+        names = callee.param_names()
+        for loop in self.s.inside(callee.node.body, cst.For):
+            if not self._relays(loop):
+                continue
+            for holder in self._iterated(loop.iter):
+                if isinstance(holder, cst.Name) and holder.value in names:
+                    arg = call_argument(call, holder.value, callee.position(holder.value))
+                    if arg is not None:
+                        out.extend(origin for origin, _ in self.origins(arg, depth + 1))
         return out
 
     def _returned_loaders(self, expr: cst.BaseExpression, depth: int) -> List[cst.Call]:

@@ -609,18 +609,33 @@ class Sharding:
                 continue
             for node in self.s.index.order:
                 if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "iter" \
-                        and node.args and dotted(node.args[0].value) == name and self.s.scope(node) is scope:
+                        and node.args and dotted(node.args[0].value) == name and self.s.scope(node) is scope \
+                        and not self._peeked(node):
                     line = self.s.line(node)
                     if line is not None and isinstance(line, cst.SimpleStatementLine) and \
                             not self._preceded_by_set_epoch(line):
                         out[id(line)] = name
         return out
 
+    def _peeked(self, call: cst.Call) -> bool:
+        """`next(iter(loader))` outside loops: one batch to look at, no iterator to restart."""
+        parent = self.s.parent(self.s.parent(call))
+        return isinstance(parent, cst.Call) and isinstance(parent.func, cst.Name) and parent.func.value == "next" \
+            and not self.model.in_loop(call)
+
     def _epoch_bounded(self, line: cst.CSTNode, name: str) -> bool:
-        """`for i in range(len(loader)): next(it)`: each pass is one (per-rank) epoch."""
+        """`for i in range(len(loader)): next(it)`: each pass is one (per-rank) epoch; or the
+        loop that draws with `next()` is sharded by its counter (each rank takes 1/WORLD_SIZE
+        of the iterations)."""
         render = self.ctx.module.code_for_node
-        return any(isinstance(loop, cst.For) and f"len({name})" in render(loop.iter).replace(" ", "")
-                   for loop in self.s.inside(self.s.block(line) if self.s.block(line) is not None else line, cst.For))
+        loops = self.s.inside(self.s.block(line) if self.s.block(line) is not None else line, cst.For)
+        if any(f"len({name})" in render(loop.iter).replace(" ", "") for loop in loops):
+            return True
+        counted = self.counted_loops
+        return bool(counted) and any(any(self.s.index.contains(loop, c.node) for loop in counted)
+                                     for loader in self.model.loaders for c in loader.consumers
+                                     if isinstance(c.node, cst.Call) and c.trains and dotted(c.holder) in
+                                     {dotted(t.target) for t in getattr(line.body[0], "targets", ())})
 
     def _preceded_by_set_epoch(self, line: cst.CSTNode) -> bool:
         block = self.s.block(line)

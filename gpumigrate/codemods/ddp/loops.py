@@ -323,7 +323,9 @@ class TrainingLoops:
         """The counting loop, and the loaders its `next()` draws from (each rank its shard)."""
         if self._rebuilds_on_counter(loop):
             return []  # `if it % epoch_size == 0: it_ = iter(loader)`: a strided counter would miss it
-        counter = self._counter(loop.iter)
+        counter: cst.BaseExpression = self._counter(loop.iter)
+        if not self.s.index.contains(loop.iter, counter):  # a bar bound before the loop: the loop's name of it
+            counter = self._sources(loop.iter)[0]
         sites = [BatchSite(loop, counter, "counter", indices=self._indexes_data(loop))]
         for call in self._drawn_iterators(loop):
             sites.append(BatchSite(loop, call.args[0].value, "iterator"))
@@ -442,9 +444,16 @@ class TrainingLoops:
         return False
 
     # -- counting loops ------------------------------------------------------------------
-    def _counter(self, it: cst.BaseExpression) -> Optional[cst.Call]:
-        """The `range(...)` (or `trange(...)`) a loop counts with, inside enumerate/tqdm."""
+    def _counter(self, it: cst.BaseExpression, depth: int = 0) -> Optional[cst.Call]:
+        """The `range(...)` (or `trange(...)`) a loop counts with, inside enumerate/tqdm, also
+        through the one name bound to it (`with trange(n) as pbar: for step in pbar:`)."""
         for e in self._sources(it) if isinstance(it, cst.Call) else [it]:
+            if isinstance(e, cst.Name) and depth == 0:
+                stmt = self.s.statement(e)
+                _, reaching = self.s.lookup(e.value, self.s.scope(e), self.s.order(stmt) if stmt is not None else -1)
+                if len(reaching) == 1 and reaching[0].how in ("assign", "with") and \
+                        isinstance(reaching[0].value, cst.Call):
+                    return self._counter(reaching[0].value, depth + 1)
             if isinstance(e, cst.Call) and isinstance(e.func, (cst.Name, cst.Attribute)):
                 name = e.func.value if isinstance(e.func, cst.Name) else e.func.attr.value
                 if name in ("range", "trange", "xrange") and e.args:
