@@ -52,6 +52,8 @@ PROJECTS = {
     "gan_step_methods": ("train.py", "3/4: a GAN class's step methods fed by a generator, its module on sys.path"),
     "agent_step_budget": ("train.py", "3: an agent class's step budget over episodes of different lengths, clipped"),
     "ppo_agent_update": ("train.py", "3: the rollout collected in the script's loop, PPO's update epochs in the agent"),
+    "process_function_engine": ("train.py", "3: a library's engine runs the script's step function over the loader "
+                                            "(`Engine(step).run(loader)`)"),
 }
 LOW, HIGH = 0.3, 0.7  # "about 1/N" for N = 2
 

@@ -902,7 +902,36 @@ class ScriptModel:
             elif kind is cst.Call and isinstance(node.func, cst.Attribute) and \
                     node.func.attr.value == "next" and not node.args and self.kind(node.func.value) == v.ITERATOR:
                 out.append(Consumption(node, node.func.value, self._loop_trains(node)))  # Python 2's it.next()
+            elif kind is cst.Call and node.args and self.s.callee(node) is None:
+                for holder in self._handed(node):
+                    out.append(Consumption(node, holder, True))
         return out
+
+    def _handed(self, call: cst.Call) -> List[cst.BaseExpression]:
+        """The loaders a library's runner takes to train on: `trainer.run(loader, epochs)` where
+        `trainer = Engine(step)` with a training function of this file, or was made given an
+        optimizer (`create_supervised_trainer(model, optimizer, loss)`)."""
+        func = call.func
+        if not isinstance(func, cst.Attribute) or not isinstance(func.value, cst.Name):
+            return []
+        loaders = [a.value for a in call.args if isinstance(a.value, (cst.Name, cst.Attribute))
+                   and a.keyword is None and self.kind(a.value) == v.LOADER]
+        if not loaders:
+            return []
+        stmt = self.s.statement(call)
+        _, bindings = self.s.lookup(func.value.value, self.s.scope(call), self.s.order(stmt) if stmt else NEVER)
+        for b in bindings:
+            if b.how != "assign" or not isinstance(b.value, cst.Call):
+                continue
+            for arg in b.value.args:
+                if self.kind(arg.value) == v.OPTIMIZER:
+                    return loaders
+                if isinstance(arg.value, cst.Name):
+                    _, defs = self.s.lookup(arg.value.value, self.s.scope(b.value))
+                    fns = [self.s.functions.get(id(d.value)) for d in defs if d.how == "def"]
+                    if any(fn is not None and self.function_trains(fn) for fn in fns):
+                        return loaders
+        return []
 
     def in_loop(self, node: cst.CSTNode) -> bool:
         """Is `node` inside a loop of its own function (or of the module)?"""
