@@ -204,3 +204,23 @@ def test_migrated_fullbatch_script_is_data_parallel_and_equals_one_process(tmp_p
     assert "predictions [1, 1, 1, 0, 0, 0, 1, 0]" in printed and "correct 4" in printed
     assert run.ranks[1]["stdout"].strip() == ""
     assert [Path(s["path"]).name for r in run.ranks.values() for s in r["saves"]] == ["tiny_classifier.pt"]
+
+
+@pytest.mark.e2e
+@pytest.mark.ddp
+def test_migrated_fullbatch_derivative_script_splits_differentiated_inputs(tmp_path):
+    """fixtures/scripts/fullbatch_derivative.py: the input requires grad and is differentiated
+    at every step (`autograd.grad(H, x, create_graph=True)`), the model is called through a
+    method chosen by a flag. Each rank's rows are a leaf of their own (an indexed view's graph
+    would be freed by the first backward), and the two ranks' equal shares of a mean loss end
+    with the one-process weights."""
+    golden = FIXTURES / "expected" / "ddp" / "fullbatch_derivative.py"
+    assert "x_shard, dxdt_shard = shard_rows(x, dxdt)" in golden.read_text()
+    one = run_probe(FIXTURES / "scripts" / "fullbatch_derivative.py", tmp_path / "one", 1)
+    assert one.ok(), one.why()
+    run = run_probe(golden, tmp_path / "ddp", NPROC)
+    assert run.ok(), run.why()
+    reference = torch.load(one.out / "rank0_optim0.pt")
+    for r in range(NPROC):
+        torch.testing.assert_close(torch.load(run.out / f"rank{r}_optim0.pt"), reference, rtol=1e-4, atol=1e-5)
+    assert run.ranks[1]["stdout"].strip() == "" and "step 30" in run.ranks[0]["stdout"]

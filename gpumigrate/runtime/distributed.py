@@ -714,7 +714,11 @@ def shard_rows(*tensors: Any) -> Any:
         return tensors[0] if single else tensors
     share = (n + world - 1) // world
     rows = torch.arange(share * world)[get_rank()::world] % n
-    split = tuple(t[rows.to(t.device)] for t in tensors)
+    # a leaf that requires grad (inputs differentiated, `autograd.grad(out, x)`) gives a leaf
+    # too: an indexed view's graph would be freed by the first backward, and every step's
+    # graph starts at the tensor, as in one process
+    split = tuple(t[rows.to(t.device)].detach().requires_grad_() if t.is_leaf and t.requires_grad
+                  else t[rows.to(t.device)] for t in tensors)
     return split[0] if single else split
 
 

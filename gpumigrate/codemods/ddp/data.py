@@ -45,6 +45,12 @@ _OPTIMIZER_CLASSES = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Ad
 
 # what a loss may read beside the forward's outputs and the rows split (`view(-1, n_class)`)
 _NOT_ROWS = frozenset({v.NUMBER, v.STRING, v.MODULE, v.LOSS_MODULE, v.DEVICE})
+# nn.Module's own methods: not a forward of the model's, whatever they are given
+_MODULE_API = frozenset({"parameters", "named_parameters", "buffers", "named_buffers", "children", "modules",
+                         "named_modules", "state_dict", "load_state_dict", "to", "cuda", "cpu", "half", "float",
+                         "double", "type", "train", "eval", "apply", "zero_grad", "requires_grad_", "register_buffer",
+                         "register_parameter", "register_forward_hook", "register_forward_pre_hook", "add_module",
+                         "get_submodule", "get_parameter", "share_memory", "extra_repr"})
 
 
 @dataclass
@@ -198,7 +204,8 @@ class Sharding:
             forwards = []
             for name in reads:
                 for b in self._bound_in(name, scope, inner):
-                    if b.how in ("assign", "unpack") and isinstance(b.value, cst.Call) and b.order < losses[0].order \
+                    if b.how in ("assign", "unpack") and isinstance(b.value, (cst.Call, cst.IfExp)) \
+                            and b.order < losses[0].order \
                             and self._fixed_forward(b.value, inner):
                         forwards.append(b)
             outputs = {b.name for b in forwards}
@@ -223,9 +230,18 @@ class Sharding:
             placed = loop
         return (placed, names) if placed is not None else None
 
-    def _fixed_forward(self, call: cst.Call, loop: cst.CSTNode) -> bool:
-        """`model(a, b)`: a model called on names the loop does not bind, each a tensor."""
-        if not self.model.module_like(call.func) or self.model.kind(call.func) == v.LOSS_MODULE or not call.args:
+    def _fixed_forward(self, call: cst.BaseExpression, loop: cst.CSTNode) -> bool:
+        """`model(a, b)` (or a method of the model's, `model.time_derivative(x)`; or one of
+        two such calls, `model.rk4(x) if rk4 else model.f(x)`): a model called on names the
+        loop does not bind, each a tensor."""
+        if isinstance(call, cst.IfExp):
+            return self._fixed_forward(call.body, loop) and self._fixed_forward(call.orelse, loop)
+        if not isinstance(call, cst.Call) or not call.args:
+            return False
+        func = call.func
+        method = isinstance(func, cst.Attribute) and func.attr.value not in _MODULE_API and \
+            self.model.kind(func.value) != v.LOSS_MODULE and self.model.module_like(func.value)
+        if not method and (not self.model.module_like(func) or self.model.kind(func) == v.LOSS_MODULE):
             return False
         scope = self.s.scope(call)
         for arg in call.args:
@@ -240,8 +256,13 @@ class Sharding:
         """The bindings of `name` in `scope` made inside `loop`."""
         return [b for b in scope.bindings.get(name, []) if any(a is loop for a in self.s.ancestors(b.stmt))]
 
-    def _reads(self, call: cst.Call) -> List[cst.Name]:
-        """The names a call's arguments read (not attribute names or keywords)."""
+    def _reads(self, call: cst.BaseExpression) -> List[cst.Name]:
+        """The names a call's arguments read (not attribute names or keywords); of both calls
+        of `a(x) if test else b(x)`."""
+        if isinstance(call, cst.IfExp):
+            return [*self._reads(call.body), *self._reads(call.orelse)]
+        if not isinstance(call, cst.Call):
+            return []
         out = []
         for arg in call.args:
             for node in self.s.index.subtree(arg.value):
