@@ -355,7 +355,7 @@ class ScriptModel:
             for fn in self.s.functions.values():
                 if id(fn.node) in trained:
                     continue
-                if any((t := self.s.callee(c)) is not None and id(t.node) in trained for c in fn.calls):
+                if any(id(t.node) in trained for c in fn.calls for t in self.s.callees(c)):
                     trained.add(id(fn.node))
                     changed = True
         return trained
@@ -367,10 +367,9 @@ class ScriptModel:
         for sub in self.s.index.subtree(node):
             if id(sub) in marks:
                 return True
-            if isinstance(sub, cst.Call):
-                target = self.s.callee(sub)
-                if target is not None and id(target.node) in self.training_functions:
-                    return True
+            if isinstance(sub, cst.Call) and any(id(target.node) in self.training_functions
+                                                 for target in self.s.callees(sub)):
+                return True
         return False
 
     @cached_property

@@ -157,12 +157,10 @@ class Structure:
                 fn.returns.append(fn.node.body)
         for fn in self.functions.values():
             for call in fn.calls:
-                target = self.callee(call)
-                if target is not None:
+                for target in self.callees(call):
                     target.callers.append(call)
         for call in self._module_calls():
-            target = self.callee(call)
-            if target is not None:
+            for target in self.callees(call):
                 target.callers.append(call)
 
     def _module_calls(self) -> Iterator[cst.Call]:
@@ -445,6 +443,48 @@ class Structure:
             if cls is not None:
                 return self.method(cls, func.attr.value)
         return None
+
+    def callees(self, call: cst.Call) -> List[Function]:
+        """`callee`; where it finds nothing for `obj.m(...)` (an object taken from a list, made
+        by a factory, handed in), the methods named `m` of this file's classes that the call's
+        arguments fit, unless `obj` is bound by an import or is `self`."""
+        found = self.callee(call)
+        if found is not None:
+            return [found]
+        func = call.func
+        if not isinstance(func, cst.Attribute) or func.attr.value.startswith("__") or \
+                any(a.star for a in call.args):
+            return []
+        root = func.value
+        while isinstance(root, cst.Attribute):
+            root = root.value
+        if not isinstance(root, cst.Name) or root.value == "self":
+            return []
+        _, bindings = self.lookup(root.value, self.scope(call))
+        if not bindings or any(b.how == "import" for b in bindings):
+            return []
+        out = []
+        for cls in self.classes.values():
+            fn = cls.methods.get(func.attr.value)
+            if fn is not None and isinstance(fn.node, cst.FunctionDef) and self._fits(fn, call):
+                out.append(fn)
+        return out
+
+    @staticmethod
+    def _fits(fn: Function, call: cst.Call) -> bool:
+        """Can `obj.m(...)` with these arguments call the method `fn` (bound: `self` given)?"""
+        params = fn.node.params
+        positional = [*params.posonly_params, *params.params][1:]
+        names = {p.name.value for p in (*positional, *params.kwonly_params)}
+        given = [a for a in call.args if a.keyword is None]
+        keywords = {a.keyword.value for a in call.args if a.keyword is not None}
+        if len(given) > len(positional) and not isinstance(params.star_arg, cst.Param):
+            return False
+        if not keywords <= names and params.star_kwarg is None:
+            return False
+        required = [p.name.value for p in positional if p.default is None][len(given):]
+        required += [p.name.value for p in params.kwonly_params if p.default is None]
+        return all(name in keywords for name in required)
 
     def method(self, cls: Class, name: str) -> Optional[Function]:
         seen: Set[int] = set()

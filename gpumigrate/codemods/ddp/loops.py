@@ -68,8 +68,8 @@ _NOT_DATA_KINDS = frozenset({v.MODULE, v.LOSS_MODULE, v.OPTIMIZER, v.OPTIMIZER_C
                              v.STRING, v.NUMBER, v.DEVICE, v.WRITER, v.METRIC, v.CLASS, v.FUNCTION, v.PYMODULE,
                              v.PARAM, v.LOSS, v.SCALAR})
 _DATA_KINDS = frozenset({v.LOADER, v.DATASET, v.ITERATOR, v.BATCH, v.TENSOR})
-_DATA_NAME = re.compile(r"load|data|batch|set$|sample|train|iter|gen|^dl|_dl$|example|pair|feed|stream|split|chunk",
-                        re.I)
+_DATA_NAME = re.compile(r"load|data|batch|set$|sample|train|iter|(^|_)gen|gen($|_)|^dl|_dl$|example|pair|feed|stream"
+                        r"|split|chunk", re.I)
 _NOT_DATA_METHODS = frozenset({"items", "keys", "values", "parameters", "named_parameters", "modules", "children",
                                "named_modules", "named_children", "buffers", "named_buffers", "state_dict"})
 _WRAPPERS = frozenset({"enumerate", "tqdm", "islice", "iter"})
@@ -408,10 +408,19 @@ class TrainingLoops:
         if not isinstance(loop, cst.For):
             return []
         sources = self._sources(loop.iter)
-        if not any(self._is_data(e, outer) for e in sources):
+        if not any(self._is_data(e, outer) for e in sources) or self._iterates_learners(loop):
             return []
         # zip(batches, targets): every iterable of the zip alike, so their items stay paired
         return [e for e in sources if self._counter(e) is None]
+
+    def _iterates_learners(self, loop: cst.For) -> bool:
+        """`for i, agent in enumerate(agents): ... agent.step(...)`: the items are what trains
+        (each with its own optimizer), not batches: every rank trains each of them."""
+        names = {n.value for n in self.s.index.subtree(loop.target) if isinstance(n, cst.Name)}
+        return any(isinstance(c.func, cst.Attribute) and isinstance(c.func.value, cst.Name)
+                   and c.func.value.value in names
+                   and any(self.model.function_trains(t) for t in self.s.callees(c))
+                   for c in self.s.inside(loop.body, cst.Call))
 
     def _is_data(self, expr: cst.BaseExpression, outer: List[cst.CSTNode]) -> bool:
         if self._counter(expr) is not None or isinstance(expr, (cst.List, cst.Tuple, cst.Set, cst.Dict, cst.ListComp,
