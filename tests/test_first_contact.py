@@ -43,6 +43,7 @@ SCRIPTS = {
     "val_loss_counter.py": "verify: a validation loss divided by a counter",
     "progress_bar_read.py": "a progress bar whose count the script reads (`val_loss / pbar.n`)",
     "agents_in_a_list.py": "3: agents (each its optimizer) kept in lists, made by a factory, stepped by method",
+    "logging_setup.py": "a log FileHandler in a folder rank 0 makes, a writer kept on a config, errors logged",
     "relayed_loader_steps.py": "3: next() on a generator relaying a DataLoader, steps counted by a `with trange() as pbar`",
 }
 PROJECTS = {

@@ -1907,8 +1907,10 @@ class RankZeroOutput(_BlockRule):
         if len(assign.targets) != 1:
             return None
         holder = dotted(assign.targets[0].target)
-        if holder is None or holder.count(".") > 1 or "." in holder and not holder.startswith("self."):
+        if holder is None:
             return None
+        if "." in holder and (holder.count(".") > 1 or not holder.startswith("self.")):
+            return holder  # stored on an object that goes where this file cannot follow (`config.tb_logger`)
         s = script_model(self.ctx).s
         where = s.scope(assign).node
         if "." in holder:

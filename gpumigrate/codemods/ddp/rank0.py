@@ -76,13 +76,27 @@ class RankZero:
                 return None
             kind = self.model.output_call(small.value)
             if kind is None or self._per_rank_file(small.value) or self._to_devnull_file(small.value) \
-                    or kind == "save" and self._in_own_temp_dir(small.value):
+                    or kind == "save" and self._in_own_temp_dir(small.value) or self._reports_an_error(small.value):
                 return None
             verdicts.append(self._safe_args(small.value))
         if self.gated(line, main_only=True) or self._in_gated_function(line) or self.model.rank_query(line) \
                 or self._in_logger(line):
             return None  # already on rank 0 only, or written per rank on purpose (`rank%d.txt`)
         return all(verdicts)
+
+    def _reports_an_error(self, call: cst.Call) -> bool:
+        """`logging.error(traceback.format_exc())` in an `except` block: the error of whichever
+        rank caught it, said on that rank (on rank 0 only, another rank's failure would pass
+        unseen, and a handler that swallows it would leave that rank's training silently cut)."""
+        method = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
+        if method not in ("error", "exception", "critical") or self.model.output_call(call) not in ("log", "write"):
+            return False
+        for ancestor in self.s.ancestors(call):
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
+                return False
+            if isinstance(ancestor, cst.ExceptHandler):
+                return True
+        return False
 
     def _to_devnull_file(self, call: cst.Call) -> bool:
         """A write to a file this plan opens on `os.devnull` on the other ranks (directly, or
@@ -356,7 +370,9 @@ class RankZero:
         if not self.active:
             return out
         for node in self.s.index.order:
-            if _opens_for_writing(node) and node.args and node.args[0].keyword is None:
+            opens = _opens_for_writing(node) or isinstance(node, cst.Call) and \
+                self.model.qualify(node.func) in _FILE_HANDLERS  # a logging handler opens its file when made
+            if opens and node.args and node.args[0].keyword is None and not node.args[0].star:
                 parent = self.s.parent(node)
                 if isinstance(parent, cst.WithItem) and id(self.s.parent(parent)) in self.gated_withs:
                     continue
@@ -440,6 +456,10 @@ def _devnull_already(call: cst.Call) -> bool:
     first = call.args[0].value if call.args else None
     return isinstance(call.func, cst.Name) and call.func.value == "open" and isinstance(first, cst.IfExp) \
         and cst.Module(body=[]).code_for_node(first.orelse) == "os.devnull"
+
+
+_FILE_HANDLERS = frozenset({"logging.FileHandler", "logging.handlers.RotatingFileHandler",
+                            "logging.handlers.TimedRotatingFileHandler", "logging.handlers.WatchedFileHandler"})
 
 
 def _opens_for_writing(node: cst.CSTNode) -> bool:
