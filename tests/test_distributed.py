@@ -664,3 +664,56 @@ def test_a_sum_divided_by_a_per_rank_batch_count_keeps_evaluation_whole(average,
     assert ("distributed_sampler(test" in out) == sharded and ("reduce_sum(total)" in out) == sharded
     if not sharded:
         assert any(f"`{count}` after the loop counts this rank's batches only" in r for r in reviews), reviews
+
+
+ENV_HEAD = """\
+import torch
+class Env:
+    def seed(self, s): pass
+    def reset(self, seed=None): return [0.0]
+    def step(self, a): return [0.0], 1.0, True
+env = Env()
+model = torch.nn.Linear(1, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+
+def test_an_environment_seeded_once_gets_a_seed_per_rank_and_one_seeded_by_episode_keeps_its_own():
+    """`rank_seed(s)` (s * WORLD_SIZE + rank) where every rank would play the same episodes; a
+    seed that reads the sharded episode counter (`seed=100 + episode`, or a name made from it)
+    already differs per rank: a rank added to it would replay another rank's episode."""
+    out, _ = ddp("""\
+        env.seed(7)
+        for episode in range(6):
+            s = env.reset(seed=100 + episode)
+            episode_seed = 1000 + 2 * episode
+            env.action_space_seed = episode_seed
+            env.reset(seed=episode_seed)
+            s2, r, done = env.step(0)
+            loss = model(torch.tensor(s)).sum() * r
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """, head=ENV_HEAD)
+    assert "env.seed(rank_seed(7))" in out
+    assert "for episode in shard_batches(range(6)):" in out
+    assert "env.reset(seed=100 + episode)" in out and "env.reset(seed=episode_seed)" in out
+
+
+def test_rank_seed_is_the_seed_itself_in_one_process():
+    from gpumigrate.runtime import rank_seed
+    assert rank_seed(7) == 7 and rank_seed(None) is None
+
+
+@pytest.mark.e2e
+@pytest.mark.ddp
+def test_rank_seed_gives_each_rank_seeds_no_other_rank_gets(tmp_path):
+    from tests.test_runtime import torchrun
+    script = tmp_path / "seeds.py"
+    script.write_text("from gpumigrate.runtime import get_rank, rank_seed, setup_distributed\n"
+                      "setup_distributed()\n"
+                      "print('seeds', get_rank(), [rank_seed(s) for s in range(3)], rank_seed(None))\n")
+    code, out, err = torchrun(script)
+    assert code == 0, err[-2000:]
+    lines = sorted(line for line in out.splitlines() if line.startswith("seeds"))
+    assert lines == ["seeds 0 [0, 2, 4] None", "seeds 1 [1, 3, 5] None"], out

@@ -198,7 +198,7 @@ def test_an_update_over_the_agents_own_rollout_keeps_its_epochs(runs):
     pair, project = runs.project("ppo_agent_update")
     train = (project / "train.py").read_text()
     assert "total_steps = next_step(total_steps)" in train
-    assert "env.reset(seed=env_seed + get_rank())" in train
+    assert "env.reset(seed=rank_seed(env_seed))" in train  # s * WORLD_SIZE + rank: no seed replayed on the next rank
     assert "shard_batches" not in (project / "ppo.py").read_text(), "the update epochs were split between ranks"
     steps = [sum(o["steps"] for o in pair.ddp.ranks[r]["optimizers"]) for r in range(NPROC)]
     one = sum(o["steps"] for o in pair.one.ranks[0]["optimizers"])

@@ -530,13 +530,10 @@ class DistributedSamplerRule(Rule):
             return None
         seeds = self.plan.environment_seeds
         if seeds and any(id(a.value) in seeds for a in original.args):
-            self.report(original, "the environment is seeded per rank (the seed plus `get_rank()`): each rank "
-                                  "plays its own episodes")
+            self.report(original, "the environment is seeded per rank (`rank_seed(s)`: s * WORLD_SIZE + rank): each "
+                                  "rank plays its own episodes")
             return updated.with_changes(args=[
-                a.with_changes(value=cst.BinaryOperation(
-                    left=a.value if not isinstance(a.value, (cst.BinaryOperation, cst.IfExp, cst.Lambda)) else
-                    a.value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]),
-                    operator=cst.Add(), right=_call(self.ctx, "get_rank", (), self.fixing)))
+                a.with_changes(value=_call(self.ctx, "rank_seed", (cst.Arg(a.value),), self.fixing))
                 if id(o.value) in seeds else a for o, a in zip(original.args, updated.args)])
         if self.iter_sites and m.matches(original.func, m.Name("iter")) and len(original.args) == 1 and \
                 id(original.args[0].value) in self.iter_sites:

@@ -40,6 +40,7 @@ from gpumigrate.runtime.precision import (
     load_scaler_state,
     optimizer_params,
 )
+from gpumigrate.runtime.seeding import rank_seed
 from gpumigrate.runtime.sharding import (
     full_model,
     full_optimizer_state_dict,
@@ -77,6 +78,7 @@ __all__ = [
     "next_step",
     "optimizer_params",
     "progress_stream",
+    "rank_seed",
     "reduce_mean",
     "reduce_sum",
     "set_epoch",

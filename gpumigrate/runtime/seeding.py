@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,3 +41,12 @@ def part_random_streams() -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(seed_of(int(numpy.random.randint(0, 2 ** 31 - 1))) % (2 ** 32))
+
+
+def rank_seed(seed: Any) -> Any:
+    """An environment's seed for this rank (`env.reset(seed=rank_seed(s))`): `seed * world_size
+    + rank`, so ranks that seed each episode anew (`s += 1`) never play one another's episodes,
+    as `s + rank` would one episode later. In one process the seed itself; None stays None."""
+    if seed is None or not dist.is_available() or not dist.is_initialized():
+        return seed
+    return seed * dist.get_world_size() + dist.get_rank()

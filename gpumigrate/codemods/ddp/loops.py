@@ -198,8 +198,8 @@ class TrainingLoops:
     def environment_seeds(self) -> Dict[int, cst.BaseExpression]:
         """id(seed argument) -> it, of `env.seed(s)`, `env.reset(seed=s)` and
         `env.action_space.seed(s)` of the environments training steps, where some training
-        loop is sharded by its counter: every rank would play the same episodes; each gets the
-        rank added (an earlier run's `s + get_rank()` is left)."""
+        loop is sharded by its counter: every rank would play the same episodes; each gets its
+        own (`rank_seed(s)`; an earlier run's `s + get_rank()` is left)."""
         if not self.counted_loops and not any(s.kind == "step" for s in self.batch_sites.values()) and \
                 not self._runtime_calls(self.ctx.module, "next_step"):
             return {}
@@ -217,10 +217,32 @@ class TrainingLoops:
             if arg is None and func.attr.value == "seed" and call.args and call.args[0].keyword is None:
                 arg = call.args[0].value
             if arg is None or (isinstance(arg, cst.Name) and arg.value == "None") or \
-                    self._runtime_calls(arg, "get_rank"):
+                    self._runtime_calls(arg, "get_rank", "rank_seed") or self._names_read(arg) & self._rank_counters(call):
                 continue
             out[id(arg)] = arg
         return out
+
+    def _rank_counters(self, node: cst.CSTNode) -> Set[str]:
+        """Names that already differ per rank where `node` runs: the counter of a sharded loop
+        around it (each rank takes its own values: `env.reset(seed=seed + episode)` needs no
+        rank added, which would repeat another rank's seeds), and names bound in that loop from it."""
+        names: Set[str] = set()
+        for loop in self.s.ancestors(node):
+            if isinstance(loop, cst.For) and loop in self.counted_loops:
+                counter = self._counter_target(loop)
+            elif isinstance(loop, cst.While) and any(s.kind == "step" and s.loop is loop
+                                                      for s in self.batch_sites.values()):
+                site = next(s for s in self.batch_sites.values() if s.kind == "step" and s.loop is loop)
+                counter = dotted(site.expr.target) if isinstance(site.expr, cst.AugAssign) else None
+            else:
+                continue
+            if not counter:
+                continue
+            names.add(counter)
+            for assign in self.s.inside(loop.body, cst.Assign):
+                if counter in self._names_read(assign.value):
+                    names.update(dotted(t.target) for t in assign.targets if dotted(t.target))
+        return names
 
     # -- the loops around a step ---------------------------------------------------------
     def _nests(self, node: cst.CSTNode) -> List[List[cst.CSTNode]]:
