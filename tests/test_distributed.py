@@ -717,3 +717,25 @@ def test_rank_seed_gives_each_rank_seeds_no_other_rank_gets(tmp_path):
     assert code == 0, err[-2000:]
     lines = sorted(line for line in out.splitlines() if line.startswith("seeds"))
     assert lines == ["seeds 0 [0, 2, 4] None", "seeds 1 [1, 3, 5] None"], out
+
+
+def test_a_generator_that_yields_from_a_loader_hands_it_the_training_role():
+    """`def infiniteloop(loader): while True: yield from loader` drawn with `next()` in a counted
+    step loop: the loader trains (a sampler), the step loop is sharded by its counter."""
+    out, reviews = ddp("""\
+        from torch.utils.data import DataLoader, TensorDataset
+        def infiniteloop(dataloader):
+            while True:
+                yield from dataloader
+        dataset = TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
+        dataloader = DataLoader(dataset, batch_size=8, shuffle=True, drop_last=True)
+        datalooper = infiniteloop(dataloader)
+        for step in range(20):
+            x, y = next(datalooper)
+            loss = criterion(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """, head=HEAD)
+    assert "sampler=distributed_sampler(dataset)" in out and "for step in shard_batches(range(20)):" in out
+    assert not any("does not come from a DataLoader" in r for r in reviews), reviews

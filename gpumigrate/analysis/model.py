@@ -1029,17 +1029,18 @@ class ScriptModel:
 
     def _relayed(self, call: cst.Call, callee: Any, depth: int) -> List[cst.Call]:
         """The DataLoader calls a call of such a generator relays: what it passes for the
-        parameter the generator's loop iterates."""
+        parameter the generator's loop iterates (or yields from: `yield from loader`)."""
         out: List[cst.Call] = []
         names = callee.param_names()
-        for loop in self.s.inside(callee.node.body, cst.For):
-            if not self._relays(loop):
-                continue
-            for holder in self._iterated(loop.iter):
-                if isinstance(holder, cst.Name) and holder.value in names:
-                    arg = call_argument(call, holder.value, callee.position(holder.value))
-                    if arg is not None:
-                        out.extend(origin for origin, _ in self.origins(arg, depth + 1))
+        holders = [h for loop in self.s.inside(callee.node.body, cst.For) if self._relays(loop)
+                   for h in self._iterated(loop.iter)]
+        holders += [y.value.item for y in self.s.inside(callee.node.body, cst.Yield)  # `yield from loader`
+                    if isinstance(y.value, cst.From) and self.s.function(y) is callee]
+        for holder in holders:
+            if isinstance(holder, cst.Name) and holder.value in names:
+                arg = call_argument(call, holder.value, callee.position(holder.value))
+                if arg is not None:
+                    out.extend(origin for origin, _ in self.origins(arg, depth + 1))
         return out
 
     def _returned_loaders(self, expr: cst.BaseExpression, depth: int) -> List[cst.Call]:
