@@ -730,6 +730,9 @@ def test_a_generator_that_yields_from_a_loader_hands_it_the_training_role():
         dataset = TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
         dataloader = DataLoader(dataset, batch_size=8, shuffle=True, drop_last=True)
         datalooper = infiniteloop(dataloader)
+        model = torch.nn.Linear(3, 2)
+        criterion = torch.nn.CrossEntropyLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(20):
             x, y = next(datalooper)
             loss = criterion(model(x), y)
