@@ -54,6 +54,8 @@ PROJECTS = {
     "gan_step_methods": ("train.py", "3/4: a GAN class's step methods fed by a generator, its module on sys.path"),
     "agent_step_budget": ("train.py", "3: an agent class's step budget over episodes of different lengths, clipped"),
     "ppo_agent_update": ("train.py", "3: the rollout collected in the script's loop, PPO's update epochs in the agent"),
+    "driver_step_budget": ("train.py", "3: the step budget counted in the script, an agent module's update bursts "
+                                       "in episodes of different lengths"),
     "process_function_engine": ("train.py", "3: a library's engine runs the script's step function over the loader "
                                             "(`Engine(step).run(loader)`)"),
 }
@@ -176,6 +178,19 @@ def test_ranks_that_step_unevenly_meet_where_the_loop_ends(runs):
     assert backwards[0] != backwards[1], f"the fixture should step unevenly: {backwards}"
 
 
+def test_a_drivers_step_budget_over_a_modules_uneven_updates_meets_before_the_save(runs):
+    """The script counts the step budget (`next_step`) and the agent module updates in bursts:
+    where the ranks' last episodes end apart, they update a different number of times. The
+    module's network is not DDP-wrapped (its steps are the script's to repeat, under tests
+    dqn.py cannot see), and the ranks meet after the budget loop (`join_ranks()`), before the
+    save, with the same weights."""
+    pair, project = runs.project("driver_step_budget")
+    assert "wrap_model(" not in (project / "dqn.py").read_text()
+    train = (project / "train.py").read_text()
+    assert "total_steps = next_step(total_steps)" in train and "    join_ranks()\n" in train
+    pair.check()  # (here both ranks end on the same step count; the uneven protocol: test_runtime_uneven.py)
+
+
 def test_a_loop_around_a_modules_step_methods_is_sharded_where_it_counts(runs):
     """The GAN class takes one step per call and draws from the generator it is handed: the
     script's counting loop is the training loop (its module reached through sys.path.insert
@@ -184,7 +199,9 @@ def test_a_loop_around_a_modules_step_methods_is_sharded_where_it_counts(runs):
     train = (project / "train.py").read_text()
     assert "for iter_idx in shard_batches(range(1, args.iters + 1)):" in train
     module = (project / "nn" / "toy_gan.py").read_text()
-    assert "        self.discriminator = wrap_model(self.discriminator)\n" in module  # the module was read as one program
+    # its steps are the script's to repeat, under tests toy_gan.py cannot see: averaged at the
+    # optimizer step (right however often each rank steps), not DDP-wrapped
+    assert "wrap_model(" not in module
     # the generator handed to a step is drawn from once per call: the counting loop shards it
     assert "shard_loader" not in module
     # `iter_idx % 8 == 0` fires at the rank's 8th step, as the script's at its 8th: not at the first

@@ -516,7 +516,9 @@ class DistributedSamplerRule(Rule):
                 self.iter_sites[id(site.expr)] = site
             elif site.kind == "step":
                 self.step_sites.add(id(site.expr))
-                if self.plan.uneven_steps is not None:  # the ranks may step unevenly: they meet at its end
+                # the ranks may step unevenly (a driver's modules' steps too, under tests this file
+                # cannot see): they meet at its end, before what follows saves the model
+                if self.plan.uneven_steps is not None or self.plan.driver:
                     self.join_loops.add(id(site.loop))
             else:
                 self.loop_sites.setdefault(id(site.loop), []).append(site)
