@@ -1372,6 +1372,96 @@ class NcclBackend(Rule):
         return _call(self.ctx, "distributed_backend", (), self.fixing)
 
 
+class MpiRank(Rule):
+    """
+    ## What it does
+    Replaces mpi4py's rank and world size (`MPI.COMM_WORLD.Get_rank()`, `Get_size()`, `.rank`,
+    `.size`, also through a name bound to `MPI.COMM_WORLD`) with the runtime's `get_rank()` and
+    `get_world_size()`, in a program migrated to torchrun.
+
+    ## Why is this bad?
+    torchrun starts its processes without MPI: to mpi4py each one is rank 0 of a world of one.
+    Data sharded by the MPI rank is then loaded whole on every rank (each trains on all of it),
+    and a GPU picked by it is the same GPU on every rank. `get_rank()` is torch.distributed's
+    rank, also under `mpiexec` once the script's own MPI setup has joined the process group.
+
+    ## Example
+    ```python
+    dataset = ImageDataset(files, shard=MPI.COMM_WORLD.Get_rank(), num_shards=MPI.COMM_WORLD.Get_size())
+    ```
+
+    ## Use instead
+    ```python
+    dataset = ImageDataset(files, shard=get_rank(), num_shards=get_world_size())
+    ```
+    """
+
+    code = "GM418"
+    done = "the MPI rank and size → `get_rank()` / `get_world_size()`: torchrun starts no MPI processes"
+    name = "mpi-rank"
+    message = "mpi4py's rank and world size are 0 and 1 in every process torchrun starts"
+    fixed_in = frozenset({"ddp"})
+    lint = False
+    triggers = ("COMM_WORLD",)
+    examples = (
+        Flagged("from mpi4py import MPI\nshard, shards = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()\n",
+                fixed="from mpi4py import MPI\nfrom gpumigrate.runtime import get_rank, get_world_size\n\n"
+                      "shard, shards = get_rank(), get_world_size()\n"),
+        Flagged("from mpi4py import MPI\ncomm = MPI.COMM_WORLD\nprint(comm.rank, comm.size)\n",
+                fixed="from mpi4py import MPI\nfrom gpumigrate.runtime import get_rank, get_world_size\n\n"
+                      "comm = MPI.COMM_WORLD\nprint(get_rank(), get_world_size())\n"),
+        Clean("from mpi4py import MPI\ndata = MPI.COMM_WORLD.bcast(data)\n"),
+        Clean("from mpi4py import MPI\ndef load(path):\n    data = open(path).read() if MPI.COMM_WORLD.Get_rank() == 0 "
+              "else None\n    return MPI.COMM_WORLD.bcast(data)\n"),
+    )
+    _HELPERS = {"Get_rank": "get_rank", "Get_size": "get_world_size", "rank": "get_rank", "size": "get_world_size"}
+
+    def _world(self, node: cst.BaseExpression) -> bool:
+        """`MPI.COMM_WORLD`, or a name bound only to it."""
+        if (self.qualify(node) or "").endswith("MPI.COMM_WORLD"):
+            return True
+        if not isinstance(node, cst.Name):
+            return False
+        model = script_model(self.ctx)
+        bindings = model.s.all_bindings(node.value, model.s.scope(node))
+        return bool(bindings) and all(b.how == "assign" and b.value is not None and
+                                      (self.qualify(b.value) or "").endswith("MPI.COMM_WORLD") for b in bindings)
+
+    def _mpi_path(self, node: cst.CSTNode) -> bool:
+        """In a function that communicates through MPI (`comm.bcast(data)` after `if rank == 0:
+        read`) or joins the process group itself (the script's MPI launch path): the rank there
+        goes with MPI's own collectives, which stay; leave it."""
+        model = script_model(self.ctx)
+        fn = model.s.function(node)
+        scope = fn.node if fn is not None else self.ctx.module
+        for call in model.s.inside(scope, cst.Call):
+            func = call.func
+            if self.qualify(func) in _INIT_GROUP:
+                return True
+            if isinstance(func, cst.Attribute) and func.attr.value not in ("Get_rank", "Get_size") and \
+                    self._world(func.value):
+                return True
+        return False
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        func = original.func
+        if original.args or not isinstance(func, cst.Attribute) or func.attr.value not in ("Get_rank", "Get_size") \
+                or not self._world(func.value) or self._mpi_path(original):
+            return None
+        self.report(original)
+        return _call(self.ctx, self._HELPERS[func.attr.value], (), self.fixing)
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        if original.attr.value not in ("rank", "size") or not self._world(original.value) or \
+                self._mpi_path(original):
+            return None
+        parent = script_model(self.ctx).s.parent(original)
+        if isinstance(parent, cst.Call) and parent.func is original:
+            return None
+        self.report(original)
+        return _call(self.ctx, self._HELPERS[original.attr.value], (), self.fixing)
+
+
 def _nccl(node: Any) -> bool:
     return isinstance(node, cst.SimpleString) and node.evaluated_value == "nccl"
 
