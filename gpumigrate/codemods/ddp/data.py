@@ -652,11 +652,10 @@ class Sharding:
         loops = self.s.inside(self.s.block(line) if self.s.block(line) is not None else line, cst.For)
         if any(f"len({name})" in render(loop.iter).replace(" ", "") for loop in loops):
             return True
-        counted = self.counted_loops
-        return bool(counted) and any(any(self.s.index.contains(loop, c.node) for loop in counted)
-                                     for loader in self.model.loaders for c in loader.consumers
-                                     if isinstance(c.node, cst.Call) and c.trains and dotted(c.holder) in
-                                     {dotted(t.target) for t in getattr(line.body[0], "targets", ())})
+        iterators = {dotted(t.target) for t in getattr(line.body[0], "targets", ())}  # `it = iter(loader)`
+        return any(self.s.index.contains(loop, c.node) for loader in self.model.loaders for c in loader.consumers
+                   if isinstance(c.node, cst.Call) and c.trains and dotted(c.holder) in iterators
+                   for loop in self.counted_loops)
 
     def _preceded_by_set_epoch(self, line: cst.CSTNode) -> bool:
         block = self.s.block(line)

@@ -217,7 +217,8 @@ class TrainingLoops:
             if arg is None and func.attr.value == "seed" and call.args and call.args[0].keyword is None:
                 arg = call.args[0].value
             if arg is None or (isinstance(arg, cst.Name) and arg.value == "None") or \
-                    self._runtime_calls(arg, "get_rank", "rank_seed") or self._names_read(arg) & self._rank_counters(call):
+                    self._runtime_calls(arg, "get_rank", "rank_seed") or \
+                    self._names_read(arg) & self._rank_counters(call):
                 continue
             out[id(arg)] = arg
         return out
@@ -230,10 +231,10 @@ class TrainingLoops:
         for loop in self.s.ancestors(node):
             if isinstance(loop, cst.For) and loop in self.counted_loops:
                 counter = self._counter_target(loop)
-            elif isinstance(loop, cst.While) and any(s.kind == "step" and s.loop is loop
-                                                      for s in self.batch_sites.values()):
-                site = next(s for s in self.batch_sites.values() if s.kind == "step" and s.loop is loop)
-                counter = dotted(site.expr.target) if isinstance(site.expr, cst.AugAssign) else None
+            elif isinstance(loop, cst.While):
+                site = next((s for s in self.batch_sites.values() if s.kind == "step" and s.loop is loop), None)
+                counter = dotted(site.expr.target) if site is not None and isinstance(site.expr, cst.AugAssign) \
+                    else None
             else:
                 continue
             if not counter:

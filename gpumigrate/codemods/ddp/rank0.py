@@ -76,7 +76,8 @@ class RankZero:
                 return None
             kind = self.model.output_call(small.value)
             if kind is None or self._per_rank_file(small.value) or self._to_devnull_file(small.value) \
-                    or kind == "save" and self._in_own_temp_dir(small.value) or self._reports_an_error(small.value):
+                    or kind == "save" and self._in_own_temp_dir(small.value) \
+                    or self._reports_an_error(small.value, kind):
                 return None
             verdicts.append(self._safe_args(small.value))
         if self.gated(line, main_only=True) or self._in_gated_function(line) or self.model.rank_query(line) \
@@ -84,12 +85,13 @@ class RankZero:
             return None  # already on rank 0 only, or written per rank on purpose (`rank%d.txt`)
         return all(verdicts)
 
-    def _reports_an_error(self, call: cst.Call) -> bool:
+    def _reports_an_error(self, call: cst.Call, kind: str) -> bool:
         """`logging.error(traceback.format_exc())` in an `except` block: the error of whichever
         rank caught it, said on that rank (on rank 0 only, another rank's failure would pass
-        unseen, and a handler that swallows it would leave that rank's training silently cut)."""
+        unseen, and a handler that swallows it would leave that rank's training silently cut).
+        `kind`: the call's `output_call`."""
         method = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
-        if method not in ("error", "exception", "critical") or self.model.output_call(call) not in ("log", "write"):
+        if method not in ("error", "exception", "critical") or kind not in ("log", "write"):
             return False
         for ancestor in self.s.ancestors(call):
             if isinstance(ancestor, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
