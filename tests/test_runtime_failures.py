@@ -55,7 +55,8 @@ if mode == "late" and rank > 0:
         raise RuntimeError("late failure on rank 2")
 if mode == "teardown":
     dist.destroy_process_group = lambda *args, **kwargs: time.sleep(1000)  # a teardown that blocks
-print("rank", rank, "done")
+sys.stdout.write(f"rank {rank} done\\n")  # one write: two ranks share the pipe
+sys.stdout.flush()
 """
 
 # What a rank killed by a signal or a C++ abort leaves in its output (torchrun's summary of a

@@ -54,7 +54,8 @@ elif mode == "long-wait":  # rank 0 evaluates or saves for longer than the timeo
     if rank == 0:
         time.sleep(12)
     barrier()
-print("rank", rank, "done")
+sys.stdout.write(f"rank {rank} done\\n")  # one write: two ranks share the pipe
+sys.stdout.flush()
 """
 
 STALLED = "gpumigrate.runtime: the ranks wait in collectives that do not match: "
