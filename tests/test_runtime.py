@@ -535,6 +535,63 @@ def test_broadcast_object_makes_ranks_agree_without_numpy(tmp_path):
     assert first["same_object_on_src"] and not second["same_object_on_src"]
 
 
+KEYS_SCRIPT = """\
+import json, os, sys
+import torch
+import torch.nn as nn
+from gpumigrate.runtime import get_rank, setup_distributed, wrap_model
+
+setup_distributed()
+torch.manual_seed(0)
+
+
+class Trainer(nn.Module):  # keeps a wrapped model as a submodule
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(2, 2)
+        self.net = wrap_model(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+
+
+model = wrap_model(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+trainer = Trainer()
+state, nested = model.state_dict(), trainer.state_dict()
+before = {k: v.clone() for k, v in state.items()}  # state_dict() values share the parameters' storage
+# a checkpoint in either form loads, strictly, top level and nested
+model.load_state_dict({k: v + 1 for k, v in before.items()})
+loaded = model.module.state_dict() if hasattr(model, "module") else model.state_dict()
+if hasattr(model, "module"):
+    model.load_state_dict({"module." + k: v for k, v in loaded.items()})
+Trainer().load_state_dict(nested)
+report = {"keys": list(state), "metadata": sorted(state._metadata), "nested": list(nested),
+          "nested_metadata": sorted(nested._metadata), "wrapped": hasattr(model, "module"),
+          "loaded": [torch.equal(loaded[k], before[k] + 1) for k in state]}
+with open(os.path.join(sys.argv[1], "rank{}.json".format(get_rank())), "w") as f:
+    json.dump(report, f)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.ddp
+def test_a_wrapped_model_saves_and_loads_the_keys_one_process_has(tmp_path):
+    script = tmp_path / "keys.py"
+    script.write_text(KEYS_SCRIPT)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "one")], cwd=str(tmp_path),
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, stderr = torchrun(script, str(tmp_path / "two"))
+    assert code == 0, stderr[-3000:]
+    single = json.loads((tmp_path / "one" / "rank0.json").read_text())
+    assert not single["wrapped"] and single["keys"][0] == "0.weight" and "net.1.running_mean" in single["nested"]
+    for rank in range(2):
+        report = json.loads((tmp_path / "two" / f"rank{rank}.json").read_text())
+        assert report["wrapped"]
+        assert all(report["loaded"]) and len(report["loaded"]) == 7
+        for field in ("keys", "metadata", "nested", "nested_metadata"):
+            assert report[field] == single[field], field
+
+
 # The script of the teardown tests: its last collective comes right before its end, as a
 # training script's final reduce_sum does. That is where a gloo process could abort after the
 # script had finished ("terminate called without an active exception", SIGABRT): see the

@@ -81,8 +81,12 @@ WRONG: Dict[str, Tuple[str, List[Edit], str]] = {
     # every rank prints, every rank writes the checkpoint
     "print on every rank": ("ddp", [(GUARDED_PRINT, '    if True:\n        print("epoch')], "output on rank 0 only"),
     "save on every rank": ("ddp", [(SAVE, SAVE.replace("if is_main_process():", "if True:"))], "files on rank 0 only"),
-    # the DDP wrapper's state_dict: 'module.' keys do not load into the original model
-    "checkpoint with module. keys": ("ddp", [("unwrap_model(model).state_dict()", "model.state_dict()")],
+    # a DDP wrapper of the script's own (the runtime's hides its level): its 'module.' keys do
+    # not load into the original model
+    "checkpoint with module. keys": ("ddp", [(WRAP, "model = torch.nn.parallel.DistributedDataParallel(model) "
+                                              "if get_world_size() > 1 else model\n"),
+                                             ("unwrap_model(model).state_dict()", "model.state_dict()"),
+                                             ("from gpumigrate.runtime import ", "from gpumigrate.runtime import get_world_size, ")],
                                      "checkpoints"),
     # training under no_grad: backward() raises
     "no_grad around training": ("ddp", [(TRAIN_STEP, "        with torch.no_grad():\n"

@@ -621,7 +621,37 @@ def wrap_model(
         model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **ddp_options
     )
     _note_wrapped(wrapped)
+    _plain_keys(wrapped)
     return wrapped
+
+
+def _plain_keys(wrapped: nn.Module) -> None:
+    """The wrapper's state_dict has the keys the unwrapped model has in one process, also
+    where the wrapper is a submodule (`self.net = wrap_model(net)`): whatever saves it, a
+    checkpoint is the same at every world size. It loads either form."""
+    wrapped._register_state_dict_hook(_drop_module_level)
+    wrapped._register_load_state_dict_pre_hook(_add_module_level, with_module=True)
+
+
+def _drop_module_level(module: nn.Module, state: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    inner = prefix + "module."
+    if not any(k.startswith(inner) for k in state):
+        return
+    items = list(state.items())
+    state.clear()  # rebuilt in place: the caller may be a parent module filling its own dict
+    for key, value in items:
+        state[prefix + key[len(inner):] if key.startswith(inner) else key] = value
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:  # the inner module's versions stand for the wrapper's
+        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            metadata[prefix + key[len(inner):] if key != inner[:-1] else prefix[:-1]] = metadata.pop(key)
+
+
+def _add_module_level(module: nn.Module, state: Dict[str, Any], prefix: str, *_: Any) -> None:
+    inner = prefix + "module."
+    keys = [k for k in state if k.startswith(prefix) and not k.startswith(inner)]
+    for key in keys:
+        state[inner + key[len(prefix):]] = state.pop(key)
 
 
 class _BatchNormAnyDim(nn.modules.batchnorm._BatchNorm):
