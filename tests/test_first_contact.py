@@ -45,6 +45,8 @@ SCRIPTS = {
     "agents_in_a_list.py": "3: agents (each its optimizer) kept in lists, made by a factory, stepped by method",
     "logging_setup.py": "a log FileHandler in a folder rank 0 makes, a writer kept on a config, errors logged",
     "relayed_loader_steps.py": "3: next() on a generator relaying a DataLoader, steps counted by a `with trange() as pbar`",
+    "launch_flag_finetune.py": "5: a --local_rank launch path whose finetune loader has no DistributedSampler but "
+                               "calls `loader.sampler.set_epoch`",
 }
 PROJECTS = {
     "loader_helper": ("train.py", "1: loaders returned by a helper in another module"),

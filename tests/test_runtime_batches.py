@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
 from tqdm import tqdm
-from gpumigrate.runtime import cleanup_distributed, get_rank, setup_distributed, shard_batches, wrap_model
+from gpumigrate.runtime import cleanup_distributed, get_rank, setup_distributed, shard_batches, shard_loader, wrap_model
 from tests.test_runtime_uneven import batch, flat, model
 
 threading.Thread(target=lambda: (threading.Event().wait(120), os._exit(3)), daemon=True).start()
@@ -67,6 +67,9 @@ rec["tqdm_inside"] = list(tqdm(shard_batches(range(9)), disable=True))
 bar = tqdm(DataLoader(ds, batch_size=4), disable=True)
 rec["tqdm_outside"] = values(shard_batches(bar))
 rec["tqdm_total"] = bar.total
+bar = shard_loader(tqdm(DataLoader(ds, batch_size=4), disable=True))  # a bar handed to shard_loader
+rec["tqdm_loader"] = values(bar)
+rec["tqdm_loader_total"] = bar.total
 
 # a model stored before the wrap and trained through that reference: DDP never runs
 class Holder:
@@ -157,6 +160,10 @@ def test_a_progress_bar_around_the_loader_is_sharded_inside(ranks):
     assert ranks[0]["tqdm_outside"] == [[0, 2, 4, 6], [8, 10, 12, 14]]
     assert ranks[1]["tqdm_outside"] == [[1, 3, 5, 7], [9, 11, 13, 15]]
     assert ranks[0]["tqdm_total"] == 2
+    # shard_loader pads as a DistributedSampler does: 11 samples a rank, the last batch partial
+    assert ranks[0]["tqdm_loader"] == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20]]
+    assert ranks[1]["tqdm_loader"] == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19, 21]]
+    assert ranks[0]["tqdm_loader_total"] == 3
 
 
 def test_random_streams_part_at_the_first_training_loop_and_repeat_for_a_seed(ranks):

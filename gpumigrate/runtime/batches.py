@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from gpumigrate.runtime.distributed import (_Shard, _cached_shard, _rebuilt_loader, _why_not_sharded, get_rank,
-                                            get_world_size, is_distributed)
+from gpumigrate.runtime.distributed import (_Shard, _cached_shard, _progress_bar, _rebuilt_loader, _why_not_sharded,
+                                            get_rank, get_world_size, is_distributed)
 from gpumigrate.runtime.seeding import part_random_streams
 from gpumigrate.runtime.uneven import finish
 
@@ -311,10 +311,3 @@ def _iterable_dataset(loader: DataLoader) -> bool:
 
     return isinstance(loader.dataset, IterableDataset)
 
-
-def _progress_bar(obj: Any) -> Optional[Any]:
-    """A tqdm bar (any of its flavours) wrapping an iterable, else None."""
-    for cls in type(obj).__mro__:
-        if cls.__name__ == "tqdm" and cls.__module__.startswith("tqdm"):
-            return obj if getattr(obj, "iterable", None) is not None else None
-    return None

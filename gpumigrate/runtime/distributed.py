@@ -856,7 +856,23 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True, shard: bool = 
     """
     if not shard or not is_distributed() or loader is None:  # None: a loader the script did not make
         return loader
+    bar = _progress_bar(loader)
+    if bar is not None:  # `shard_loader(tqdm(loader))`: the bar counts this rank's part
+        bar.iterable = shard_loader(bar.iterable, seed=seed, pad=pad)
+        try:
+            bar.total = len(bar.iterable)
+        except TypeError:
+            pass
+        return bar
     return _cached_shard(loader, seed, pad, False)
+
+
+def _progress_bar(obj: Any) -> Optional[Any]:
+    """A tqdm bar (any of its flavours) wrapping an iterable, else None."""
+    for cls in type(obj).__mro__:
+        if cls.__name__ == "tqdm" and cls.__module__.startswith("tqdm"):
+            return obj if getattr(obj, "iterable", None) is not None else None
+    return None
 
 
 def _cached_shard(loader: Any, seed: int, pad: bool, full_batches: bool) -> Any:
