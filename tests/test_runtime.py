@@ -562,9 +562,27 @@ loaded = model.module.state_dict() if hasattr(model, "module") else model.state_
 if hasattr(model, "module"):
     model.load_state_dict({"module." + k: v for k, v in loaded.items()})
 Trainer().load_state_dict(nested)
+
+
+class ApexDistributedDataParallel(nn.Module):  # a library's wrapper, which averages gradients itself
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+kept = wrap_model(ApexDistributedDataParallel(nn.Linear(2, 2)))
+
+
+class Raw:  # a model of plain tensors, no nn.Module
+    def parameters(self):
+        return [torch.zeros(2, requires_grad=True)]
+
+
+raw = Raw()
 report = {"keys": list(state), "metadata": sorted(state._metadata), "nested": list(nested),
           "nested_metadata": sorted(nested._metadata), "wrapped": hasattr(model, "module"),
-          "loaded": [torch.equal(loaded[k], before[k] + 1) for k in state]}
+          "loaded": [torch.equal(loaded[k], before[k] + 1) for k in state], "kept": type(kept).__name__,
+          "raw": wrap_model(raw) is raw}
 with open(os.path.join(sys.argv[1], "rank{}.json".format(get_rank())), "w") as f:
     json.dump(report, f)
 """
@@ -572,7 +590,7 @@ with open(os.path.join(sys.argv[1], "rank{}.json".format(get_rank())), "w") as f
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-def test_a_wrapped_model_saves_and_loads_the_keys_one_process_has(tmp_path):
+def test_a_wrapped_model_saves_and_loads_the_keys_one_process_has_and_a_library_wrapper_or_no_module_is_kept(tmp_path):
     script = tmp_path / "keys.py"
     script.write_text(KEYS_SCRIPT)
     (tmp_path / "one").mkdir()
@@ -588,6 +606,8 @@ def test_a_wrapped_model_saves_and_loads_the_keys_one_process_has(tmp_path):
         report = json.loads((tmp_path / "two" / f"rank{rank}.json").read_text())
         assert report["wrapped"]
         assert all(report["loaded"]) and len(report["loaded"]) == 7
+        assert report["kept"] == "ApexDistributedDataParallel"  # not wrapped a second time
+        assert report["raw"]
         for field in ("keys", "metadata", "nested", "nested_metadata"):
             assert report[field] == single[field], field
 

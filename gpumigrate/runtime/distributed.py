@@ -591,7 +591,9 @@ def wrap_model(
     sync_batchnorm: bool = False,
     **ddp_options: Any,
 ) -> nn.Module:
-    """Wrap a model (already on its device) in DistributedDataParallel; unchanged in one process.
+    """Wrap a model (already on its device) in DistributedDataParallel; unchanged in one process,
+    and where it is no nn.Module or a library's data-parallel wrapper already (the optimizer
+    step averages what DDP does not). Its state_dict has the unwrapped model's keys.
 
     `device_ids` is given only for a model on a single GPU; a model spread over several
     devices (model parallelism) or on the CPU is wrapped without it. `sync_batchnorm`
@@ -599,11 +601,13 @@ def wrap_model(
     DistributedDataParallel options (`broadcast_buffers`, `bucket_cap_mb`, `static_graph`,
     ...) are passed on as they are.
     """
-    if not is_distributed():
-        return model
+    if not is_distributed() or not isinstance(model, nn.Module):
+        return model  # a model of plain tensors (its own `parameters()`): averaged at the optimizer step
     if isinstance(model, nn.parallel.DistributedDataParallel):
         _note_wrapped(model)  # its gradients are averaged: the optimizer hooks leave them
         return model
+    if _data_parallel_of_its_own(model):
+        return model  # a second wrapper would reduce every gradient twice
     if not any(p.requires_grad for p in model.parameters()):
         return model  # nothing to synchronise (DDP refuses such a module)
     devices = {p.device for p in model.parameters()}
@@ -623,6 +627,14 @@ def wrap_model(
     _note_wrapped(wrapped)
     _plain_keys(wrapped)
     return wrapped
+
+
+def _data_parallel_of_its_own(model: nn.Module) -> bool:
+    """A library's data-parallel wrapper, which averages or shards gradients itself (Opacus's
+    DifferentiallyPrivateDistributedDataParallel, apex's DistributedDataParallel, FSDP and
+    fully_shard's FSDPModule)."""
+    return any(cls.__name__.endswith(("DistributedDataParallel", "ShardedDataParallel")) or cls.__name__ == "FSDPModule"
+               for cls in type(model).__mro__)
 
 
 def _plain_keys(wrapped: nn.Module) -> None:
