@@ -47,6 +47,9 @@ SCRIPTS = {
     "relayed_loader_steps.py": "3: next() on a generator relaying a DataLoader, steps counted by a `with trange() as pbar`",
     "launch_flag_finetune.py": "5: a --local_rank launch path whose finetune loader has no DistributedSampler but "
                                "calls `loader.sampler.set_epoch`",
+    "own_ddp_class.py": "5: a DistributedDataParallel class of the script's own behind --local_rank, the optimizer "
+                        "picked in an if/elif chain",
+    "next_relay_bar.py": "3: a generator restarting `iter(loader)` with next(), steps counted by a `pbar = trange(n)`",
 }
 PROJECTS = {
     "loader_helper": ("train.py", "1: loaders returned by a helper in another module"),

@@ -824,6 +824,9 @@ class ScriptModel:
         """A call of another module's function, or a parameter no call of this file passes."""
         if isinstance(value, cst.Call):
             qualified = self.qualify(value.func) or ""
+            if qualified in ("tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.trange", "tqdm.auto.trange"):
+                # a bar: over what it wraps (`trange(n)` counts steps, made here)
+                return qualified.endswith("tqdm") and bool(value.args) and self._foreign(value.args[0].value)
             return self.s.callee(value) is None and qualified not in v.DATALOADER and \
                 runtime_helper(qualified) is None and not (isinstance(value.func, cst.Name) and
                                                            value.func.value in _BUILTIN_ITERABLES) and \
@@ -897,7 +900,10 @@ class ScriptModel:
             elif kind is cst.Call and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                 trains = self._loop_trains(node)
-                out.append(Consumption(node, node.args[0].value, trains, peek=not trains and not self.in_loop(node)))
+                # a generator's draws (`data_iter = iter(loader)`, `yield next(data_iter)`) are its caller's
+                relay = self._generator(self.s.function(node))
+                out.append(Consumption(node, node.args[0].value, trains,
+                                       peek=not trains and (relay or not self.in_loop(node))))
             elif kind is cst.Call and isinstance(node.func, cst.Attribute) and \
                     node.func.attr.value == "next" and not node.args and self.kind(node.func.value) == v.ITERATOR:
                 out.append(Consumption(node, node.func.value, self._loop_trains(node)))  # Python 2's it.next()
@@ -1027,6 +1033,9 @@ class ScriptModel:
         fn = self.s.function(loop)
         return fn is not None and any(self.s.function(y) is fn for y in self.s.inside(loop.body, cst.Yield))
 
+    def _generator(self, fn: Any) -> bool:
+        return fn is not None and any(self.s.function(y) is fn for y in self.s.inside(fn.node.body, cst.Yield))
+
     def _relayed(self, call: cst.Call, callee: Any, depth: int) -> List[cst.Call]:
         """The DataLoader calls a call of such a generator relays: what it passes for the
         parameter the generator's loop iterates (or yields from: `yield from loader`)."""
@@ -1036,6 +1045,10 @@ class ScriptModel:
                    for h in self._iterated(loop.iter)]
         holders += [y.value.item for y in self.s.inside(callee.node.body, cst.Yield)  # `yield from loader`
                     if isinstance(y.value, cst.From) and self.s.function(y) is callee]
+        if self._generator(callee):  # `data_iter = iter(loader)`, then `yield next(data_iter)`
+            holders += [c.args[0].value for c in self.s.inside(callee.node.body, cst.Call)
+                        if isinstance(c.func, cst.Name) and c.func.value == "iter" and len(c.args) == 1
+                        and self.s.function(c) is callee]
         for holder in holders:
             if isinstance(holder, cst.Name) and holder.value in names:
                 arg = call_argument(call, holder.value, callee.position(holder.value))

@@ -320,7 +320,8 @@ class DdpSetup(Rule):
 
     def _block(self, original, updated):
         """Wraps that go after a line (the model's last move, when its optimizer is built
-        elsewhere): after whatever the other fixes made of that line."""
+        elsewhere), after whatever the other fixes made of that line; or before a compound
+        statement (an optimizer built in one of its branches)."""
         if not self.plan.active:
             return None
         body = list(updated.body)
@@ -333,7 +334,8 @@ class DdpSetup(Rule):
             if where is None:
                 continue
             self._report(line, wraps)
-            body[where[1]:where[1]] = self._wrap_statements(wraps)
+            at = where[0] if wraps[0].before else where[1]
+            body[at:at] = self._wrap_statements(wraps)
             changed = True
         return updated.with_changes(body=body) if changed else None
 

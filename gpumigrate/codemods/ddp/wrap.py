@@ -138,8 +138,29 @@ class Wraps:
             if later:
                 last = self._in_block(max(later, key=self.s.order), line)
                 return Wrap(model.name, False, last) if last is not None else None
-            return Wrap(model.name, True, anchor)
+            return Wrap(model.name, True, self._lifted(model, anchor) or anchor)
         return self._made_here(model, [b.stmt for b in self._bindings(model)], moves)
+
+    def _lifted(self, model: TrainedModel, anchor: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """An optimizer built in one branch (`if args.optim == "SGD": ... elif ...`): the
+        statement holding it, in the block that last bound the model, so that every branch
+        trains the wrapped model. None where the optimizer's line is in that block, or where
+        that statement reads the model before the optimizer (its test would see the wrapper)."""
+        line = self.s.line(anchor)
+        bound = [b for b in self._bindings(model) if self.s.order(b.stmt) < self.s.order(anchor)]
+        for binding in sorted(bound, key=lambda b: self.s.order(b.stmt), reverse=True):
+            home = self.s.line(binding.stmt)
+            outer = self._in_block(anchor, home) if home is not None else None
+            if outer is None:
+                continue  # bound in a branch of its own (`if world_size > 1: model = DDP(model)`)
+            if outer is line:
+                return None
+            for node in self.s.index.subtree(outer):
+                if isinstance(node, (cst.Name, cst.Attribute)) and dotted(node) == model.name and \
+                        self.s.order(node) < self.s.order(anchor):
+                    return None
+            return outer
+        return None
 
     def _made_here(self, model: TrainedModel, bindings: List[cst.CSTNode], moves: List[cst.CSTNode]) -> Optional[Wrap]:
         """Where the model is made and moved, when its optimizer is built elsewhere (a
