@@ -710,9 +710,11 @@ def test_rank_seed_is_the_seed_itself_in_one_process():
 def test_rank_seed_gives_each_rank_seeds_no_other_rank_gets(tmp_path):
     from tests.test_runtime import torchrun
     script = tmp_path / "seeds.py"
-    script.write_text("from gpumigrate.runtime import get_rank, rank_seed, setup_distributed\n"
+    # one write per rank (PYTHONUNBUFFERED writes print()'s pieces apart: two ranks interleave them)
+    script.write_text("import sys\nfrom gpumigrate.runtime import get_rank, rank_seed, setup_distributed\n"
                       "setup_distributed()\n"
-                      "print('seeds', get_rank(), [rank_seed(s) for s in range(3)], rank_seed(None))\n")
+                      "sys.stdout.write('seeds %s %s %s\\n' % (get_rank(), [rank_seed(s) for s in range(3)], "
+                      "rank_seed(None)))\n")
     code, out, err = torchrun(script)
     assert code == 0, err[-2000:]
     lines = sorted(line for line in out.splitlines() if line.startswith("seeds"))
@@ -742,3 +744,24 @@ def test_a_generator_that_yields_from_a_loader_hands_it_the_training_role():
         """, head=HEAD)
     assert "sampler=distributed_sampler(dataset)" in out and "for step in shard_batches(range(20)):" in out
     assert not any("does not come from a DataLoader" in r for r in reviews), reviews
+
+
+@pytest.mark.parametrize("search", ["import optuna\nstudy = optuna.create_study(direction='maximize')\n"
+                                    "study.optimize(objective, n_trials=3)\n",
+                                    "from hyperopt import fmin, hp, tpe\n"
+                                    "best = fmin(objective, {'lr': hp.loguniform('lr', -9, -1)}, tpe.suggest, 5)\n"])
+def test_a_hyperparameter_search_gets_the_device_changes_only(search):
+    # each rank would draw its own trials: different models that DDP cannot join
+    out, reviews = ddp(textwrap.dedent("""\
+        def objective(trial):
+            model = torch.nn.Linear(4, 1).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in DataLoader(train_set, batch_size=4, shuffle=True):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+                opt.step()
+            return 0.0
+        """) + search)
+    assert ".to(device)" in out or "get_device()" in out  # the device changes are made
+    assert "wrap_model" not in out and "distributed_sampler" not in out and "setup_distributed" not in out
+    assert any("hyperparameter search" in r for r in reviews)

@@ -62,6 +62,10 @@ _OWN_WRAPS = ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.di
               "torch.distributed._composable.fsdp.fully_shard", "apex.parallel.DistributedDataParallel",
               "apex.parallel.distributed.DistributedDataParallel")
 _MAIN_TEST = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
+# Hyperparameter searches: each trial builds and trains a model of the hyperparameters it drew.
+_SEARCHES = frozenset({"optuna.create_study", "optuna.study.create_study", "hyperopt.fmin", "ray.tune.run",
+                       "ray.tune.Tuner", "ray.tune.tuner.Tuner"})
+
 # Top-level packages that are not the project's own files (for calls the migration cannot read).
 _LIBRARIES = frozenset({
     "torch", "torchvision", "torchaudio", "torchtext", "numpy", "scipy", "pandas", "sklearn", "matplotlib", "PIL",
@@ -232,6 +236,13 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
                                     "--to ddp keeps its distributed path as it is (its group, its DDP wrap, how it "
                                     "splits the work) and made the device changes only; launch it with `torchrun "
                                     "--nproc_per_node=NUM_GPUS <script> ARGS`")
+            return False
+        search = next((c for c in self.s.index.of(cst.Call) if self.model.qualify(c.func) in _SEARCHES), None)
+        if search is not None:
+            self._decline(search, "a hyperparameter search: under torchrun each rank would run trials of its own "
+                                  "(different models, pruned at different steps), which DDP cannot join; --to ddp made "
+                                  "only the device changes: run the search with python, or distribute each trial with "
+                                  "the library's own support (optuna's TorchDistributedTrial)")
             return False
         if self.driver:
             for link in self.trained_in:
