@@ -590,7 +590,7 @@ with open(os.path.join(sys.argv[1], "rank{}.json".format(get_rank())), "w") as f
 
 @pytest.mark.e2e
 @pytest.mark.ddp
-def test_a_wrapped_model_saves_and_loads_the_keys_one_process_has_and_a_library_wrapper_or_no_module_is_kept(tmp_path):
+def test_wrap_model_keeps_one_process_checkpoint_keys_and_leaves_library_wrappers(tmp_path):
     script = tmp_path / "keys.py"
     script.write_text(KEYS_SCRIPT)
     (tmp_path / "one").mkdir()
