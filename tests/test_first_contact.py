@@ -63,6 +63,8 @@ PROJECTS = {
                                        "in episodes of different lengths"),
     "process_function_engine": ("train.py", "3: a library's engine runs the script's step function over the loader "
                                             "(`Engine(step).run(loader)`)"),
+    "reversible_blocks": ("train.py", "3: a model package whose reversible blocks run backward inside backward "
+                                      "(a LayerNorm shared by two halves): DDP's reducer refuses it"),
 }
 LOW, HIGH = 0.3, 0.7  # "about 1/N" for N = 2
 

@@ -295,11 +295,18 @@ class ScriptModel:
     # -- training ------------------------------------------------------------------------
     @cached_property
     def backward_calls(self) -> List[cst.Call]:
+        """`.backward()` and `torch.autograd.backward(...)` calls, but those of a custom autograd
+        Function's backward (a reversible block recomputing its input), which are no training."""
         out = []
         for node in self.s.index.of(cst.Call):
             func = node.func
             if (isinstance(func, cst.Attribute) and func.attr.value == "backward") or \
                     self.qualify(func) == "torch.autograd.backward":
+                fn = self.s.function(node)
+                if fn is not None and fn.name == "backward" and isinstance(fn.node, cst.FunctionDef) and any(
+                        isinstance(d.decorator, cst.Name) and d.decorator.value == "staticmethod"
+                        for d in fn.node.decorators):
+                    continue
                 out.append(node)
         return out
 

@@ -46,6 +46,9 @@ class Link:
     stateful: Tuple[str, ...] = ()
     steps: Tuple[str, ...] = ()  # functions and methods that take one training step (`_step_functions`)
     looped: Tuple[str, ...] = ()  # names of the functions and methods it calls inside a loop
+    # "Class.method" for static methods that call a function of their own name (`@staticmethod
+    # def backward(ctx, dy): torch.autograd.backward(y, dy)`: a backward run inside a backward)
+    recursive: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class Project:
     # a module beside it takes all its names (`from helpers import *`): an import this file no
     # longer uses may still be used there
     star_imported: bool = False
+    # Link.recursive of every module its run imports, three imports deep (a model's package
+    # whose layers import a module of reversible blocks)
+    recursive: Tuple[str, ...] = ()
 
 
 @dataclass
@@ -73,6 +79,7 @@ class _Module:
     stateful: Tuple[str, ...] = ()
     steps: Tuple[str, ...] = ()
     looped: Tuple[str, ...] = ()
+    recursive: Tuple[str, ...] = ()
 
 
 class _Reader:
@@ -134,7 +141,23 @@ def _read(path: Path) -> Optional[_Module]:
                    _runs_code(tree), found, defines, tuple(starred),
                    tuple(sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
                                 for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))),
-                   stateful_classes(tree), _step_functions(tree), tuple(sorted(looped - {""})))
+                   stateful_classes(tree), _step_functions(tree), tuple(sorted(looped - {""})),
+                   _recursive_methods(tree))
+
+
+def _recursive_methods(tree: ast.Module) -> Tuple[str, ...]:
+    """See Link.recursive: any class of the module, at any depth."""
+    out: Set[str] = set()
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef) or not any(
+                    isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+                continue
+            if any(isinstance(node, ast.Call) and _call_name(node) == fn.name for node in ast.walk(fn)):
+                out.add(f"{cls.name}.{fn.name}")
+    return tuple(sorted(out))
 
 
 def _call_name(call: ast.Call) -> Optional[str]:
@@ -166,7 +189,8 @@ def _step_functions(tree: ast.Module) -> Tuple[str, ...]:
                 visit(child, fn, loops + (child,) if isinstance(child, (ast.For, ast.While, ast.AsyncFor)) else loops)
 
     visit(tree, None, ())
-    return tuple(sorted(out))
+    # a backward that runs a backward (a custom autograd Function's) is no training step
+    return tuple(sorted(out - {r.split(".")[-1] for r in _recursive_methods(tree)}))
 
 
 def _counts(loop: ast.AST) -> bool:
@@ -339,9 +363,10 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
         drivers.update((m.path, m) for m in run_scripts if m.path != path and path in reached[m.path])
         importers = [link for link in (_link(other, in_run) for other in drivers.values()) if link is not None]
         starred = path in star_imported
+        recursive = sorted({r for p in _reached(module, reader) for r in getattr(reader.get(p), "recursive", ())})
         if imports or importers or starred:
             out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)),
-                               starred)
+                               starred, tuple(recursive))
     return out
 
 
@@ -407,7 +432,7 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
     except ValueError:  # another drive
         shown = str(module.path)
     return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines,
-                module.methods, module.stateful, module.steps, module.looped)
+                module.methods, module.stateful, module.steps, module.looped, module.recursive)
 
 
 def project_files(path: str) -> List[Path]:

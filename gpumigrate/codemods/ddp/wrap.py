@@ -29,6 +29,7 @@ from functools import cached_property
 from typing import Any, List, Optional, Set, Tuple
 
 import libcst as cst
+import libcst.matchers as m
 
 from gpumigrate.analysis.model import TrainedModel
 from gpumigrate.analysis.structure import NEVER, Function, dotted
@@ -59,8 +60,8 @@ class Wraps:
         if not self.active:
             return []
         out: List[Wrap] = []
-        if self._double_backward:
-            return out  # DDP cannot average gradients of a gradient: nothing is wrapped (a blocker)
+        if self._double_backward or self._reentrant_backward:
+            return out  # DDP cannot average gradients of a gradient, or a backward run inside one
         if self.driver:
             # its models train in code this file cannot read (`self.G.sample_latent()`, a gradient
             # penalty, `trainer.G.state_dict()`): a DDP wrapper there is unproven; the step hooks
@@ -255,6 +256,11 @@ class Wraps:
                                                "(a gradient penalty), which DDP does not support: no model is "
                                                "DDP-wrapped"))
             return out
+        if self._reentrant_backward:
+            out.append((self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module,
+                        f"`{self._reentrant_backward}` runs a backward inside the backward (reversible layers, a "
+                        "checkpoint of its own), which DDP does not support: no model is DDP-wrapped"))
+            return out
         for opt in self.model.optimizers:
             if opt.functional:
                 out.append((opt.site, "this optimizer trains tensors, not a module (a functional model): there is "
@@ -337,6 +343,20 @@ class Wraps:
         return [(where, f"{why}; its gradients are averaged across ranks at each optimizer step instead "
                         "(data-parallel by gradient averaging: DDP's overlap of communication with backward is "
                         "lost)") for where, why in self.unwrapped]
+
+    @cached_property
+    def _reentrant_backward(self) -> Optional[str]:
+        """A custom autograd Function whose backward runs a backward (`torch.autograd.backward`,
+        `y.backward(dy)`), here or in a module the run imports: its "Class.backward"."""
+        for cls in self.s.index.of(cst.ClassDef):
+            for fn in cls.body.body:
+                if isinstance(fn, cst.FunctionDef) and fn.name.value == "backward" and any(
+                        m.matches(d.decorator, m.Name("staticmethod")) for d in fn.decorators) and any(
+                        m.matches(c.func, m.Name("backward") | m.Attribute(attr=m.Name("backward")))
+                        for c in self.s.inside(fn.body, cst.Call)):
+                    return f"{cls.name.value}.backward"
+        project = self.ctx.options.get("project")
+        return next((r for r in getattr(project, "recursive", ()) if r.endswith(".backward")), None)
 
     @cached_property
     def _double_backward(self) -> Optional[cst.Call]:
