@@ -50,6 +50,7 @@ SCRIPTS = {
     "own_ddp_class.py": "5: a DistributedDataParallel class of the script's own behind --local_rank, the optimizer "
                         "picked in an if/elif chain",
     "next_relay_bar.py": "3: a generator restarting `iter(loader)` with next(), steps counted by a `pbar = trange(n)`",
+    "bar_bound_loader.py": "1: `pbar = tqdm(loader)` bound to a name, then `for x, c in pbar`",
 }
 PROJECTS = {
     "loader_helper": ("train.py", "1: loaders returned by a helper in another module"),

@@ -66,6 +66,7 @@ _TRAIN_NAME = re.compile(r"train", re.I)
 _MODEL_NAME = re.compile(r"model|net$|^net|encoder|decoder|generator|discriminator|classifier|backbone", re.I)
 _BUILTIN_ITERABLES = frozenset({"iter", "range", "enumerate", "zip", "list", "tuple", "sorted", "reversed",
                                 "map", "filter", "dict", "set", "open"})
+_BARS = frozenset({"tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm", "tqdm.trange", "tqdm.auto.trange"})
 _EVAL_LOADER_NAME = re.compile(r"(test|val|eval|dev)", re.I)
 
 
@@ -831,7 +832,7 @@ class ScriptModel:
         """A call of another module's function, or a parameter no call of this file passes."""
         if isinstance(value, cst.Call):
             qualified = self.qualify(value.func) or ""
-            if qualified in ("tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.trange", "tqdm.auto.trange"):
+            if qualified in _BARS:
                 # a bar: over what it wraps (`trange(n)` counts steps, made here)
                 return qualified.endswith("tqdm") and bool(value.args) and self._foreign(value.args[0].value)
             return self.s.callee(value) is None and qualified not in v.DATALOADER and \
@@ -1023,6 +1024,8 @@ class ScriptModel:
             if self.qualify(value.func) in v.DATALOADER:
                 out.append((value, None))
             elif isinstance(value.func, cst.Name) and value.func.value == "iter" and value.args:
+                out.extend(self.origins(value.args[0].value, depth + 1))
+            elif self.qualify(value.func) in _BARS and value.args:  # `pbar = tqdm(loader)`
                 out.extend(self.origins(value.args[0].value, depth + 1))
             else:
                 callee = self.s.callee(value)
