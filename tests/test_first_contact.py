@@ -51,6 +51,7 @@ SCRIPTS = {
                         "picked in an if/elif chain",
     "next_relay_bar.py": "3: a generator restarting `iter(loader)` with next(), steps counted by a `pbar = trange(n)`",
     "bar_bound_loader.py": "1: `pbar = tqdm(loader)` bound to a name, then `for x, c in pbar`",
+    "rank_zero_eval.py": "8: the script's own `if args.local_rank in [-1, 0]:` evaluates through the wrapped model",
 }
 PROJECTS = {
     "loader_helper": ("train.py", "1: loaders returned by a helper in another module"),

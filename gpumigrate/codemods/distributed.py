@@ -10,7 +10,7 @@ is unknown the plan takes the safe form and GM400 reports it for review.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import libcst as cst
 
@@ -1845,9 +1845,15 @@ class WrappedAttribute(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         """`generate(decoder, ...)` of another module of the project that does not train (no
         `.backward()` there): it gets the plain model, whose own methods it calls
-        (`decoder.init_hidden(1)`), where a DDP wrapper raises AttributeError."""
-        if "GM400" not in self.ctx.fixing or not original.args or len(original.args) != len(updated.args) or not any(
-                not a.star and self.wrapped(a.value) for a in original.args):
+        (`decoder.init_hidden(1)`), where a DDP wrapper raises AttributeError. So does a call
+        that does not train on one rank only (`if args.local_rank in [-1, 0]: evaluate(model)`):
+        DDP's forward broadcasts its buffers, and the other ranks never take part."""
+        if "GM400" not in self.ctx.fixing or len(original.args) != len(updated.args):
+            return None
+        one_rank = self._one_rank(original)
+        if one_rank is not None:
+            return self._unwrapped_on_one_rank(original, updated, one_rank)
+        if not original.args or not any(not a.star and self.wrapped(a.value) for a in original.args):
             return None
         link, _ = defined_in(self.ctx, original.func)
         if link is None or "backward" in link.calls:
@@ -1862,6 +1868,50 @@ class WrappedAttribute(Rule):
             args[k] = args[k].with_changes(value=_call(self.ctx, "unwrap_model", [cst.Arg(args[k].value)],
                                                        self.fixing))
         return updated.with_changes(args=args)
+
+
+    def _one_rank(self, call: cst.Call) -> Optional[cst.If]:
+        """The rank-local `if` (of the script's: `if args.local_rank in [-1, 0]:`) whose body
+        holds `call`, in its function, where `call` trains nothing; else None."""
+        plan = self.plan
+        if not plan.active or runtime_helper(self.qualify(call.func)) is not None or not (
+                self._model_ref(call.func) or any(self._model_ref(a) for a in call.args)):
+            return None  # (`unwrap_model(model)` itself)
+        s = plan.s
+        callee = s.callee(call)
+        # the model's own forward, or a function of this file that does not train (an evaluation)
+        if not (self._model_ref(call.func) or callee is not None and not plan.model.function_trains(callee)):
+            return None
+        child: cst.CSTNode = call
+        for ancestor in s.ancestors(call):
+            if isinstance(ancestor, (cst.FunctionDef, cst.Lambda)):
+                return None
+            if isinstance(ancestor, cst.If) and child is not ancestor.test and plan.model.rank_local_test(ancestor):
+                return ancestor
+            child = ancestor
+        return None
+
+    def _model_ref(self, node: Union[cst.Arg, cst.BaseExpression]) -> bool:
+        """A name (or `self.x`) holding a wrapped model: `evaluate(model)`, `model(x)`."""
+        if isinstance(node, cst.Arg):
+            if node.star:
+                return False
+            node = node.value
+        return isinstance(node, (cst.Name, cst.Attribute)) and self.wrapped(node)
+
+    def _unwrapped_on_one_rank(self, original: cst.Call, updated: cst.Call, where: cst.If) -> cst.Call:
+        test = " ".join(self.ctx.module.code_for_node(where.test).split())
+        unwrap = lambda expr: _call(self.ctx, "unwrap_model", [cst.Arg(expr)], self.fixing)  # noqa: E731
+        args = list(updated.args)
+        for k, arg in enumerate(original.args):
+            if self._model_ref(arg):
+                args[k] = args[k].with_changes(value=unwrap(args[k].value))
+        func = unwrap(updated.func) if self._model_ref(original.func) else updated.func
+        name = dotted(original.func) if self._model_ref(original.func) else \
+            next(dotted(a.value) for a in original.args if self._model_ref(a))
+        self.report(original, f"`{name}` is used on some ranks only (`if {test}:`): the plain model "
+                              f"(`unwrap_model({name})`), whose forward waits for no other rank")
+        return updated.with_changes(func=func, args=args)
 
 
 class RankZeroOutput(_BlockRule):
