@@ -81,7 +81,7 @@ SHIM_ENV = {"PRACTICE_SHIM": "1", "PRACTICE_MAX_BATCHES": "4", "PRACTICE_MAX_STE
             "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 # gpumigrate's words for "this training stays single-process on every rank" (evaluation that is not
 # sharded is not that: the ranks still train data-parallel)
-DECLINED = re.compile(r"training data (NOT sharded|does not come from a DataLoader)|no model is wrapped", re.I)
+DECLINED = re.compile(r"training data (NOT sharded|does not come from a DataLoader)|no model is wrapped|made only the device changes", re.I)
 REVIEW = re.compile(r":\d+:\d+: GM\d+ review by hand")  # not the summary line's "N to review by hand"
 NO_TRAINING = re.compile(r"no training found", re.I)
 
