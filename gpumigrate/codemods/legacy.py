@@ -877,6 +877,14 @@ class ScalarMetricAccumulation(Rule):
         Clean("correct = 0\nfor x, y in loader:\n    correct += (model(x).argmax(1) == y).sum()\nprint(correct.item())\n"),
         Clean("from torch.autograd import Variable\ncorrect = 0\nfor x, y in loader:\n"
               "    correct += (model(x).argmax(1) == y).sum()\nacc = correct.float() / n\n"),
+        # a step function returning `loss.data[0]`, a number once GM201 makes it `.item()`
+        Clean("import torch\nfrom torch.autograd import Variable\ndef train(x):\n    loss = torch.sum(model(x))\n"
+              "    return loss.data[0]\ncost = 0\nfor x in batches:\n    cost += train(x)\nprint(cost)\n"),
+        # a 0.3-era model's forward summing its per-step losses, which it returns to be backpropagated
+        Clean("import torch\nfrom torch.autograd import Variable\nclass VRNN(nn.Module):\n"
+              "    def forward(self, x):\n        kld_loss = 0\n        for t in range(x.size(0)):\n"
+              "            kld_loss += self._kld(x[t])\n        return kld_loss\n"
+              "    def _kld(self, x):\n        return 0.5 * torch.sum(x * x)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -888,8 +896,9 @@ class ScalarMetricAccumulation(Rule):
                 not isinstance(original.target, cst.Name):
             return None
         if self.model.kind(original.value) != v.SCALAR or original.target.value in accumulated_data(self.ctx) \
-                or any(_index_zero(sub) for sub in findall(original.value, m.Subscript())):
-            return None  # `.data` totals and `.data[0]` are GM207's and GM201's
+                or any(_index_zero(sub) for sub in findall(original.value, m.Subscript())) \
+                or returned_total(self.ctx, original.target) or self._returns_numbers(original.value):
+            return None  # `.data` totals and `.data[0]` are GM207's and GM201's; a returned total may be a loss
         name = original.target.value
         s = self.model.s
         scope = s.scope(original)
@@ -904,6 +913,23 @@ class ScalarMetricAccumulation(Rule):
                 return None  # `correct.float()`, `correct.item()`: used as a tensor
         self.report(original.value)
         return updated.with_changes(value=call_method(updated.value, "item"))
+
+    def _returns_numbers(self, value: cst.BaseExpression) -> bool:
+        """`train(...)` of this file returning `output.data[0]` (GM201 makes it `.item()`) or
+        `x.item()`: a number already, in the migrated script."""
+        callee = self.model.s.callee(value) if isinstance(value, cst.Call) else None
+        return callee is not None and bool(callee.returns) and all(
+            (isinstance(r, cst.Subscript) and _index_zero(r)) or is_method_call(r, "item") for r in callee.returns)
+
+
+def returned_total(ctx, target: cst.BaseExpression) -> bool:
+    """A total its function returns (`kld_loss += ...` in a model's forward, then `return
+    kld_loss, nll_loss`): the caller may backpropagate it, so it stays a tensor."""
+    if not isinstance(target, cst.Name):
+        return False
+    fn = script_model(ctx).s.function(target)
+    return fn is not None and any(isinstance(n, cst.Name) and n.value == target.value
+                                  for r in fn.returns for n in findall(r, m.Name()))
 
 
 def _data_leaves(value: cst.BaseExpression) -> List[cst.Attribute]:

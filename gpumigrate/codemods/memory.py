@@ -33,7 +33,8 @@ from gpumigrate.codemods.helpers import (
     statements,
     walk,
 )
-from gpumigrate.codemods.legacy import has_no_grad_decorator, no_grad_decorator, no_grad_with, volatile_plan
+from gpumigrate.codemods.legacy import (has_no_grad_decorator, no_grad_decorator, no_grad_with, returned_total,
+                                       volatile_plan)
 from gpumigrate.rewriter.facts import SourceFacts
 from gpumigrate.rewriter.lazy import matchers as m
 
@@ -124,12 +125,17 @@ class TensorAccumulation(Rule):
         Clean("loss = criterion(out, y)\nepoch_loss += loss.detach()\n"),
         Clean("total = 0\nfor part in parts:\n    loss = criterion(part)\n    total += loss\ntotal.backward()\n"),
         Clean("count += batch_size\ndef f(loss):\n    total += other\n"),
+        # a model's forward sums its per-step losses and returns them: its caller backpropagates
+        Clean("import torch.nn.functional as F\nclass VRNN(nn.Module):\n    def forward(self, x):\n"
+              "        kld_loss = 0\n        for t in range(x.size(0)):\n"
+              "            kld_loss += F.kl_div(self.enc(x[t]), x[t])\n        return kld_loss, None\n"),
     )
 
     def _skip(self, target: cst.BaseExpression) -> bool:
         model = script_model(self.ctx)
         names = [n.value for n in findall(target, m.Name())]
-        return any(model.feeds_backward(n, target) for n in names) or model.under_no_grad(target)
+        return any(model.feeds_backward(n, target) for n in names) or model.under_no_grad(target) or \
+            returned_total(self.ctx, target)
 
     def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
         if not isinstance(original.operator, (cst.AddAssign, cst.SubtractAssign)):
@@ -323,7 +329,8 @@ class _EvalPlan:
                     evaluating = True
             elif isinstance(stmt, (cst.For, cst.While)) and evaluating and not decorated:
                 if not self.model.trains(stmt) and not self._no_grad_inside(stmt) and findall(stmt, m.Call()) \
-                        and not self.model.under_no_grad(stmt) and not volatile_plan(self.ctx).covers(stmt):
+                        and not self.model.under_no_grad(stmt) and not volatile_plan(self.ctx).covers(stmt) \
+                        and not self._may_train_elsewhere(stmt, 0):
                     self.loops.add(id(stmt))
             elif isinstance(stmt, cst.If) and stmt.test and m.matches(stmt.test, m.Comparison(left=m.Name("__name__"))):
                 self._blocks(stmt.body.body, decorated)
@@ -341,15 +348,23 @@ class _EvalPlan:
         return fn is not None and not self.model.function_trains(fn) and not self.model.under_no_grad(func) \
             and not self._no_grad_inside(func) and not self._may_train_elsewhere(func, 0)
 
-    def _may_train_elsewhere(self, func: cst.FunctionDef, depth: int) -> bool:
-        """Does `func` (or a function of this file it calls) hand an optimizer to a call, or
-        call a function of a project module that trains (`train_one_epoch(model, loader)` from
-        engine.py)? Its training is out of sight: under `no_grad` it could not backward."""
+    def _may_train_elsewhere(self, func: Union[cst.FunctionDef, cst.For, cst.While], depth: int) -> bool:
+        """Does `func` (a function or a loop, or a function of this file it calls) hand an
+        optimizer to a call, or call a function of a project module that trains
+        (`train_one_epoch(model, loader)` from engine.py)? Its training is out of sight: under
+        `no_grad` it could not backward."""
         for call in findall(func.body, m.Call()):
             if any(self.model.kind(a.value) == v.OPTIMIZER for a in call.args):
                 return True
             name = call.func.value if isinstance(call.func, cst.Name) else \
                 call.func.attr.value if isinstance(call.func, cst.Attribute) else None
+            # `train_one_epoch(model, criterion, loader, optimizer, loss_scaler)` (its backward in a
+            # library's scaler), `trainer.train()`; not a module's mode switch `model.train()`
+            if name and "train" in name.lower() and not (
+                    name == "train" and isinstance(call.func, cst.Attribute) and self._switches_modes(func, call)):
+                return True
+            if any(isinstance(a.value, cst.Name) and "optim" in a.value.value.lower() for a in call.args):
+                return True  # an optimizer made where the analysis cannot see (`create_optimizer(args, model)`)
             target = self.model.s.callee(call)
             if target is None and name in self._project_trainers:
                 return True
@@ -357,6 +372,15 @@ class _EvalPlan:
                     depth < 3 and self._may_train_elsewhere(target.node, depth + 1):
                 return True
         return False
+
+    def _switches_modes(self, func: Union[cst.FunctionDef, cst.For, cst.While], call: cst.Call) -> bool:
+        """`model.train()` of a module, or of what the function also calls `.eval()` on."""
+        receiver = call.func.value
+        if self.model.kind(receiver) in (v.MODULE, v.LOSS_MODULE):
+            return True
+        name = dotted(receiver)
+        return name is not None and any(m.matches(c.func, m.Attribute(attr=m.Name("eval"))) and
+                                        dotted(c.func.value) == name for c in findall(func.body, m.Call()))
 
     @cached_property
     def _project_trainers(self) -> Set[str]:
@@ -452,6 +476,17 @@ class EvalWithoutNoGrad(Rule):
         Clean("def test_shapes():\n    assert f(1) == 1\n"),
         Clean("class Agent:\n    def _eval(self):\n        self.actor.eval()\n        self.critic.eval()\n"),
         Clean("model.eval()\nmodel.train()\nfor x in loader:\n    model(x)\n"),
+        # deit-style main(): it evaluates, then trains through a project function whose backward
+        # is in a library's loss scaler
+        Clean("import torch\nfrom engine import evaluate, train_one_epoch\ndef main(args):\n    model.eval()\n"
+              "    print(evaluate(loader, model))\n    for epoch in range(3):\n"
+              "        train_one_epoch(model, loader, optimizer, loss_scaler)\n"),
+        Flagged(
+            "import torch\ndef evaluate(model, loader):\n    model.eval()\n    for x, y in loader:\n"
+            "        out = model(x)\n    model.train()\n",
+            fixed="import torch\n@torch.no_grad()\ndef evaluate(model, loader):\n    model.eval()\n"
+            "    for x, y in loader:\n        out = model(x)\n    model.train()\n",
+        ),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
