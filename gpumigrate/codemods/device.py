@@ -324,11 +324,11 @@ class HardcodedDevice(Rule):
     fixed_in = frozenset({"device"})
     triggers = ("cuda",)
 
-    # `torch.cuda.set_device`, or a "cuda[:n]" literal in `torch.device(...)`, `device=` or `.to(...)`
+    # `torch.cuda.set_device` or `current_device`, or a "cuda[:n]" literal in `torch.device(...)`, `device=` or `.to(...)`
     # ... or `torch.cuda.is_available()` in a flag that chooses the device
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
-        return facts.any_id("set_device") or facts.any_id("is_available") or (
+        return facts.any_id("set_device", "is_available", "current_device") or (
             facts.any_id("device", *DEVICE_KEYWORDS) or facts.any_call("to", "cuda", "load", "add_argument")) and any(
             s == "cuda" or s.startswith("cuda:") for s in facts.strings)
 
@@ -368,6 +368,12 @@ class HardcodedDevice(Rule):
             fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndevice = get_device()\n"
             "x = torch.zeros(1).to(device)\nif device.type == 'cuda':\n    torch.backends.cudnn.benchmark = True\n",
         ),
+        Flagged(  # the current CUDA device's index, bound to a name only used as a device
+            'import torch\n\ndef main(args):\n    device = torch.cuda.current_device()\n    if args.cpu:\n'
+            '        device = "cpu"\n    return torch.zeros(2).to(device)\n',
+            fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndef main(args):\n"
+            '    device = get_device()\n    if args.cpu:\n        device = "cpu"\n    return torch.zeros(2).to(device)\n',
+        ),
         Flagged(  # a name bound to a CUDA device's name, in any scope, used as a device
             'import torch\n\ndef to_gpu(t):\n    dev = "cuda:0"\n    return t.to(dev)\n',
             fixed="import torch\nfrom gpumigrate.runtime import get_device\n\n"
@@ -399,6 +405,9 @@ class HardcodedDevice(Rule):
         qualified = self.qualify(original.func)
         if qualified == "torch.cuda.is_available":
             return self._accelerator_flag(original)
+        if qualified == "torch.cuda.current_device" and not original.args and self._named_for_devices(original):
+            self.report(original)  # `device = torch.cuda.current_device()`, then `x.to(device)`
+            return cst.Call(func=runtime_name(self.ctx, "get_device", self.fixing))
         if qualified == "torch.device":
             is_cuda, index = torch_device_index(original)
             first = get_arg(original, "type", 0)
@@ -433,6 +442,29 @@ class HardcodedDevice(Rule):
                 args[i] = args[i].with_changes(value=self._named_device(named))
                 changed = True
         return updated.with_changes(args=args) if changed else None
+
+    def _named_for_devices(self, call: cst.Call) -> bool:
+        """`name = torch.cuda.current_device()` where every other use of `name` in its scope
+        is a device: `.to(name)`, `.cuda(name)`, `device=name`, `map_location=name`, or a
+        binding of its own (`if args.cpu: name = "cpu"`)."""
+        s = script_model(self.ctx).s
+        assign = s.parent(call)
+        if not (isinstance(assign, cst.Assign) and len(assign.targets) == 1
+                and isinstance(assign.targets[0].target, cst.Name)):
+            return False
+        name = assign.targets[0].target.value
+        scope = s.scope(call)
+        uses = [n for n in s.inside(scope.node, cst.Name) if n.value == name and s.scope(n) is scope]
+        for use in uses:
+            parent = s.parent(use)
+            if isinstance(parent, cst.AssignTarget):
+                continue
+            if isinstance(parent, cst.Arg) and (
+                    parent.keyword is not None and parent.keyword.value in DEVICE_KEYWORDS or parent.keyword is None
+                    and is_method_call(s.parent(parent), "to", "cuda") and s.parent(parent).args[0] is parent):
+                continue
+            return False
+        return True
 
     def _named_device(self, named: CudaName) -> cst.BaseExpression:
         """Where a CUDA device's name is used as a device: `"cuda"` -> `device`, `"cuda:1"` ->
