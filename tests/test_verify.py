@@ -86,7 +86,8 @@ WRONG: Dict[str, Tuple[str, List[Edit], str]] = {
     "checkpoint with module. keys": ("ddp", [(WRAP, "model = torch.nn.parallel.DistributedDataParallel(model) "
                                               "if get_world_size() > 1 else model\n"),
                                              ("unwrap_model(model).state_dict()", "model.state_dict()"),
-                                             ("from gpumigrate.runtime import ", "from gpumigrate.runtime import get_world_size, ")],
+                                             ("from gpumigrate.runtime import ",
+                                              "from gpumigrate.runtime import get_world_size, ")],
                                      "checkpoints"),
     # training under no_grad: backward() raises
     "no_grad around training": ("ddp", [(TRAIN_STEP, "        with torch.no_grad():\n"

@@ -324,7 +324,8 @@ class HardcodedDevice(Rule):
     fixed_in = frozenset({"device"})
     triggers = ("cuda",)
 
-    # `torch.cuda.set_device` or `current_device`, or a "cuda[:n]" literal in `torch.device(...)`, `device=` or `.to(...)`
+    # `torch.cuda.set_device` or `current_device`, or a "cuda[:n]" literal in `torch.device(...)`,
+    # `device=` or `.to(...)`
     # ... or `torch.cuda.is_available()` in a flag that chooses the device
     @classmethod
     def gate(cls, facts: SourceFacts) -> bool:
@@ -372,7 +373,8 @@ class HardcodedDevice(Rule):
             'import torch\n\ndef main(args):\n    device = torch.cuda.current_device()\n    if args.cpu:\n'
             '        device = "cpu"\n    return torch.zeros(2).to(device)\n',
             fixed="import torch\nfrom gpumigrate.runtime import get_device\n\ndef main(args):\n"
-            '    device = get_device()\n    if args.cpu:\n        device = "cpu"\n    return torch.zeros(2).to(device)\n',
+            '    device = get_device()\n    if args.cpu:\n        device = "cpu"\n'
+            '    return torch.zeros(2).to(device)\n',
         ),
         Flagged(  # a name bound to a CUDA device's name, in any scope, used as a device
             'import torch\n\ndef to_gpu(t):\n    dev = "cuda:0"\n    return t.to(dev)\n',

@@ -542,8 +542,8 @@ class DistributedSamplerRule(Rule):
         if m.matches(original.func, m.Attribute(value=m.Attribute(attr=m.Name("sampler")), attr=m.Name("set_epoch"))) \
                 and len(original.args) == 1 and not original.args[0].keyword:
             # the loader may reach the loop sharded at run time, with no DistributedSampler of its own
-            self.report(original, "`loader.sampler.set_epoch(e)` becomes `set_epoch(loader, e)`: the same call where the "
-                                  "sampler has one, none where the loader is sharded another way")
+            self.report(original, "`loader.sampler.set_epoch(e)` becomes `set_epoch(loader, e)`: the same call "
+                                  "where the sampler has one, none where the loader is sharded another way")
             return _call(self.ctx, "set_epoch", (cst.Arg(updated.func.value.value), updated.args[0]), self.fixing)
         if self.iter_sites and m.matches(original.func, m.Name("iter")) and len(original.args) == 1 and \
                 id(original.args[0].value) in self.iter_sites:
