@@ -87,6 +87,28 @@ for k in range(3):
     sgd.step()
 rec["holder"] = flat(inner)
 
+# a data-dependent init (Glow's ActNorm): the first forward sets a parameter from this rank's batch
+class ActNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(3))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.bias.copy_(-x.mean(0))
+            self.initialized = True
+        return x + self.bias
+
+flow = wrap_model(torch.nn.Sequential(ActNorm(), torch.nn.Linear(3, 1)))
+adam = torch.optim.Adam(flow.parameters(), lr=0.01)
+for k in range(2):
+    adam.zero_grad()
+    flow(batch(rank, 20 + k)[:, :3] + rank).pow(2).mean().backward()
+    adam.step()
+rec["actnorm"] = flat(flow)
+
 # uneven steps, last: rank 1 takes three more, its averaged gradients clipped before each step;
 # rank 0, finished, steps with it, and at the end takes rank 1's state (it could not clip)
 net = model(5 + rank)
@@ -205,6 +227,10 @@ def test_a_model_trained_around_its_ddp_wrapper_is_averaged_at_the_step(ranks):
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         sgd.step()
     torch.testing.assert_close(ranks[0]["holder"], flat(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_a_first_forward_set_per_rank_agree_from_the_first_step(ranks):
+    assert torch.equal(ranks[0]["actnorm"], ranks[1]["actnorm"])
 
 
 def test_in_one_process_shard_batches_is_the_iterable_itself():

@@ -35,7 +35,9 @@ from gpumigrate.runtime.uneven import (AVERAGE, PARAMS, REDUCE, _collective, _sh
 #   adds it (`Optimizer.add_param_group` wrapped: torch has no hook for an optimizer's
 #   construction), and again when the optimizer's plan is built (its first step), which also
 #   covers an optimizer made before `setup_distributed()` and weights changed after the
-#   optimizer was made; there, step 1 averages gradients computed at different weights.
+#   optimizer was made; there, step 1 averages gradients computed at different weights. That
+#   first broadcast takes in the parameters a DDP averages too, which a forward may have set
+#   per rank in place (a data-dependent init, as Glow's ActNorm).
 # - Anything that reads gradients before `step()` must see them averaged: GradScaler's
 #   inf/nan check (a rank that skips `opt.step()` alone would leave the others waiting in the
 #   next collective) and clipping (the norm of the averaged gradient, as under DDP). So the
@@ -216,10 +218,13 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer, agreed: bool = False) -> _
     plan.lists = tuple((group["params"], len(group["params"])) for group in plan.groups)
     optimizer.__dict__[_PLAN] = plan
     _plans_version += 1
-    if first and params:  # once: add_param_group broadcasts what is added later
+    # a DDP's parameters too: equal since the wrap, unless a forward changed them in place (a
+    # data-dependent init: Glow's ActNorm sets its scale from each rank's first batch)
+    owned = [p for p in {id(p): p for p in every}.values() if _in(_BY_DDP, p) and not _sharded(p)]
+    if first and (params or owned):  # once: add_param_group broadcasts what is added later
         if not agreed:
             agree(PARAMS, plan.key)  # a rank ahead of another (uneven.py) takes part in its steps first
-        _broadcast(params)
+        _broadcast(params + owned)
     return plan
 
 
