@@ -1869,7 +1869,6 @@ class WrappedAttribute(Rule):
                                                        self.fixing))
         return updated.with_changes(args=args)
 
-
     def _one_rank(self, call: cst.Call) -> Optional[cst.If]:
         """The rank-local `if` (of the script's: `if args.local_rank in [-1, 0]:`) whose body
         holds `call`, in its function, where `call` trains nothing; else None."""
