@@ -447,8 +447,8 @@ class HardcodedDevice(Rule):
 
     def _named_for_devices(self, call: cst.Call) -> bool:
         """`name = torch.cuda.current_device()` where every other use of `name` in its scope
-        is a device: `.to(name)`, `.cuda(name)`, `device=name`, `map_location=name`, or a
-        binding of its own (`if args.cpu: name = "cpu"`)."""
+        is a device: `.to(name)`, `device=name`, `map_location=name`, or a binding of its own
+        (`if args.cpu: name = "cpu"`). Not `.cuda(name)`: an index there (`get_device(name)`)."""
         s = script_model(self.ctx).s
         assign = s.parent(call)
         if not (isinstance(assign, cst.Assign) and len(assign.targets) == 1
@@ -463,7 +463,7 @@ class HardcodedDevice(Rule):
                 continue
             if isinstance(parent, cst.Arg) and (
                     parent.keyword is not None and parent.keyword.value in DEVICE_KEYWORDS or parent.keyword is None
-                    and is_method_call(s.parent(parent), "to", "cuda") and s.parent(parent).args[0] is parent):
+                    and is_method_call(s.parent(parent), "to") and s.parent(parent).args[0] is parent):
                 continue
             return False
         return True

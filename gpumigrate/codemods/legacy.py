@@ -923,13 +923,24 @@ class ScalarMetricAccumulation(Rule):
 
 
 def returned_total(ctx, target: cst.BaseExpression) -> bool:
-    """A total its function returns (`kld_loss += ...` in a model's forward, then `return
-    kld_loss, nll_loss`): the caller may backpropagate it, so it stays a tensor."""
+    """A loss total a function returns to be backpropagated: a model's forward (`kld_loss +=
+    ...`, then `return kld_loss, nll_loss`), or a function whose caller here calls `.backward()`
+    on what it returns. Not a training function's running total (`return total_loss`)."""
     if not isinstance(target, cst.Name):
         return False
-    fn = script_model(ctx).s.function(target)
-    return fn is not None and any(isinstance(n, cst.Name) and n.value == target.value
-                                  for r in fn.returns for n in findall(r, m.Name()))
+    model = script_model(ctx)
+    fn = model.s.function(target)
+    if fn is None or not any(isinstance(n, cst.Name) and n.value == target.value
+                             for r in fn.returns for n in findall(r, m.Name())):
+        return False
+    if fn.name == "forward":
+        return True
+    for call in fn.callers:
+        assign = model.s.parent(call)
+        if isinstance(assign, cst.Assign) and any(model.feeds_backward(name, call) for t in assign.targets
+                                                  for name in target_names(t.target)):
+            return True
+    return False
 
 
 def _data_leaves(value: cst.BaseExpression) -> List[cst.Attribute]:
