@@ -298,18 +298,26 @@ class ScriptModel:
     def backward_calls(self) -> List[cst.Call]:
         """`.backward()` and `torch.autograd.backward(...)` calls, but those of a custom autograd
         Function's backward (a reversible block recomputing its input), which are no training."""
-        out = []
-        for node in self.s.index.of(cst.Call):
-            func = node.func
-            if (isinstance(func, cst.Attribute) and func.attr.value == "backward") or \
-                    self.qualify(func) == "torch.autograd.backward":
-                fn = self.s.function(node)
-                if fn is not None and fn.name == "backward" and isinstance(fn.node, cst.FunctionDef) and any(
-                        isinstance(d.decorator, cst.Name) and d.decorator.value == "staticmethod"
-                        for d in fn.node.decorators):
-                    continue
-                out.append(node)
-        return out
+        return [c for c in self._backward_like if self._function_backward(c) is None]
+
+    @cached_property
+    def reentrant_backward(self) -> Optional[Function]:
+        """The static `backward` of a custom autograd Function that runs a backward itself."""
+        return next((fn for fn in map(self._function_backward, self._backward_like) if fn is not None), None)
+
+    @cached_property
+    def _backward_like(self) -> List[cst.Call]:
+        return [node for node in self.s.index.of(cst.Call)
+                if (isinstance(node.func, cst.Attribute) and node.func.attr.value == "backward")
+                or self.qualify(node.func) == "torch.autograd.backward"]
+
+    def _function_backward(self, call: cst.Call) -> Optional[Function]:
+        """The static method named `backward` (a custom autograd Function's) holding `call`."""
+        fn = self.s.function(call)
+        if fn is not None and fn.name == "backward" and isinstance(fn.node, cst.FunctionDef) and any(
+                isinstance(d.decorator, cst.Name) and d.decorator.value == "staticmethod" for d in fn.node.decorators):
+            return fn
+        return None
 
     @cached_property
     def step_calls(self) -> List[cst.Call]:

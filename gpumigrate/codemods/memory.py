@@ -353,7 +353,9 @@ class _EvalPlan:
         optimizer to a call, or call a function of a project module that trains
         (`train_one_epoch(model, loader)` from engine.py)? Its training is out of sight: under
         `no_grad` it could not backward."""
-        for call in findall(func.body, m.Call()):
+        calls = findall(func.body, m.Call())
+        evaluated = {dotted(c.func.value) for c in calls if m.matches(c.func, m.Attribute(attr=m.Name("eval")))}
+        for call in calls:
             if any(self.model.kind(a.value) == v.OPTIMIZER for a in call.args):
                 return True
             name = call.func.value if isinstance(call.func, cst.Name) else \
@@ -361,7 +363,7 @@ class _EvalPlan:
             # `train_one_epoch(model, criterion, loader, optimizer, loss_scaler)` (its backward in a
             # library's scaler), `trainer.train()`; not a module's mode switch `model.train()`
             if name and "train" in name.lower() and not (
-                    name == "train" and isinstance(call.func, cst.Attribute) and self._switches_modes(func, call)):
+                    name == "train" and isinstance(call.func, cst.Attribute) and self._switches_modes(call, evaluated)):
                 return True
             if any(isinstance(a.value, cst.Name) and "optim" in a.value.value.lower() for a in call.args):
                 return True  # an optimizer made where the analysis cannot see (`create_optimizer(args, model)`)
@@ -373,14 +375,14 @@ class _EvalPlan:
                 return True
         return False
 
-    def _switches_modes(self, func: Union[cst.FunctionDef, cst.For, cst.While], call: cst.Call) -> bool:
-        """`model.train()` of a module, or of what the function also calls `.eval()` on."""
+    def _switches_modes(self, call: cst.Call, evaluated: Set[Optional[str]]) -> bool:
+        """`model.train()` of a module, or of what the function also calls `.eval()` on
+        (`evaluated`: those receivers' names)."""
         receiver = call.func.value
         if self.model.kind(receiver) in (v.MODULE, v.LOSS_MODULE):
             return True
         name = dotted(receiver)
-        return name is not None and any(m.matches(c.func, m.Attribute(attr=m.Name("eval"))) and
-                                        dotted(c.func.value) == name for c in findall(func.body, m.Call()))
+        return name is not None and name in evaluated
 
     @cached_property
     def _project_trainers(self) -> Set[str]:

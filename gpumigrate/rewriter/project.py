@@ -46,9 +46,6 @@ class Link:
     stateful: Tuple[str, ...] = ()
     steps: Tuple[str, ...] = ()  # functions and methods that take one training step (`_step_functions`)
     looped: Tuple[str, ...] = ()  # names of the functions and methods it calls inside a loop
-    # "Class.method" for static methods that call a function of their own name (`@staticmethod
-    # def backward(ctx, dy): torch.autograd.backward(y, dy)`: a backward run inside a backward)
-    recursive: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,8 +58,10 @@ class Project:
     # a module beside it takes all its names (`from helpers import *`): an import this file no
     # longer uses may still be used there
     star_imported: bool = False
-    # Link.recursive of every module its run imports, three imports deep (a model's package
-    # whose layers import a module of reversible blocks)
+    # "Class.method" for the static methods that call a function of their own name (`@staticmethod
+    # def backward(ctx, dy): torch.autograd.backward(y, dy)`: a backward run inside a backward) in
+    # every module its run imports, three imports deep (a model's package whose layers import a
+    # module of reversible blocks)
     recursive: Tuple[str, ...] = ()
 
 
@@ -79,7 +78,7 @@ class _Module:
     stateful: Tuple[str, ...] = ()
     steps: Tuple[str, ...] = ()
     looped: Tuple[str, ...] = ()
-    recursive: Tuple[str, ...] = ()
+    recursive: Tuple[str, ...] = ()  # see Project.recursive
 
 
 class _Reader:
@@ -137,16 +136,18 @@ def _read(path: Path) -> Optional[_Module]:
                 starred.append(target)
     defines = tuple(sorted(node.name for node in tree.body
                            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))))
+    recursive = _recursive_methods(tree)
+    # a backward that runs a backward (a custom autograd Function's) is no training step
+    steps = tuple(name for name in _step_functions(tree) if name not in {r.split(".")[-1] for r in recursive})
     return _Module(path.resolve(), hashlib.sha256(data).hexdigest()[:16], tuple(sorted(calls)),
                    _runs_code(tree), found, defines, tuple(starred),
                    tuple(sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
                                 for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))),
-                   stateful_classes(tree), _step_functions(tree), tuple(sorted(looped - {""})),
-                   _recursive_methods(tree))
+                   stateful_classes(tree), steps, tuple(sorted(looped - {""})), recursive)
 
 
 def _recursive_methods(tree: ast.Module) -> Tuple[str, ...]:
-    """See Link.recursive: any class of the module, at any depth."""
+    """See Project.recursive: any class of the module, at any depth."""
     out: Set[str] = set()
     for cls in ast.walk(tree):
         if not isinstance(cls, ast.ClassDef):
@@ -189,8 +190,7 @@ def _step_functions(tree: ast.Module) -> Tuple[str, ...]:
                 visit(child, fn, loops + (child,) if isinstance(child, (ast.For, ast.While, ast.AsyncFor)) else loops)
 
     visit(tree, None, ())
-    # a backward that runs a backward (a custom autograd Function's) is no training step
-    return tuple(sorted(out - {r.split(".")[-1] for r in _recursive_methods(tree)}))
+    return tuple(sorted(out))
 
 
 def _counts(loop: ast.AST) -> bool:
@@ -432,7 +432,7 @@ def _link(module: Optional[_Module], in_run: Set[Path]) -> Optional[Link]:
     except ValueError:  # another drive
         shown = str(module.path)
     return Link(shown, module.calls, module.script, module.path in in_run, module.digest, module.defines,
-                module.methods, module.stateful, module.steps, module.looped, module.recursive)
+                module.methods, module.stateful, module.steps, module.looped)
 
 
 def project_files(path: str) -> List[Path]:

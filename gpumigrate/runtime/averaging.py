@@ -218,10 +218,12 @@ def _optimizer_plan(optimizer: torch.optim.Optimizer, agreed: bool = False) -> _
     plan.lists = tuple((group["params"], len(group["params"])) for group in plan.groups)
     optimizer.__dict__[_PLAN] = plan
     _plans_version += 1
+    if not first:  # once: add_param_group broadcasts what is added later
+        return plan
     # a DDP's parameters too: equal since the wrap, unless a forward changed them in place (a
     # data-dependent init: Glow's ActNorm sets its scale from each rank's first batch)
     owned = [p for p in {id(p): p for p in every}.values() if _in(_BY_DDP, p) and not _sharded(p)]
-    if first and (params or owned):  # once: add_param_group broadcasts what is added later
+    if params or owned:
         if not agreed:
             agree(PARAMS, plan.key)  # a rank ahead of another (uneven.py) takes part in its steps first
         _broadcast(params + owned)

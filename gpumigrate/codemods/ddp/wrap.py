@@ -29,7 +29,6 @@ from functools import cached_property
 from typing import Any, List, Optional, Set, Tuple
 
 import libcst as cst
-import libcst.matchers as m
 
 from gpumigrate.analysis.model import TrainedModel
 from gpumigrate.analysis.structure import NEVER, Function, dotted
@@ -348,13 +347,9 @@ class Wraps:
     def _reentrant_backward(self) -> Optional[str]:
         """A custom autograd Function whose backward runs a backward (`torch.autograd.backward`,
         `y.backward(dy)`), here or in a module the run imports: its "Class.backward"."""
-        for cls in self.s.index.of(cst.ClassDef):
-            for fn in cls.body.body:
-                if isinstance(fn, cst.FunctionDef) and fn.name.value == "backward" and any(
-                        m.matches(d.decorator, m.Name("staticmethod")) for d in fn.decorators) and any(
-                        m.matches(c.func, m.Name("backward") | m.Attribute(attr=m.Name("backward")))
-                        for c in self.s.inside(fn.body, cst.Call)):
-                    return f"{cls.name.value}.backward"
+        fn = self.model.reentrant_backward
+        if fn is not None:
+            return f"{fn.cls.name}.backward" if fn.cls is not None else "backward"
         project = self.ctx.options.get("project")
         return next((r for r in getattr(project, "recursive", ()) if r.endswith(".backward")), None)
 
