@@ -765,3 +765,43 @@ def test_a_hyperparameter_search_gets_the_device_changes_only(search):
     assert ".to(device)" in out or "get_device()" in out  # the device changes are made
     assert "wrap_model" not in out and "distributed_sampler" not in out and "setup_distributed" not in out
     assert any("hyperparameter search" in r for r in reviews)
+
+
+@pytest.mark.parametrize("via_block", [False, True])
+def test_a_backward_run_inside_a_custom_functions_backward_is_no_training_and_keeps_the_model_unwrapped(via_block):
+    # DDP cannot follow a backward that runs inside the backward (reversible layers): the step averages
+    inner = ("        return ctx.block.backward_pass(dy)\n" if via_block else
+             "        with torch.enable_grad():\n"
+             "            torch.autograd.backward(ctx.block.f(ctx.x), dy)\n"
+             "        return ctx.x.grad\n")
+    out, reviews, notes = ddp(textwrap.dedent("""\
+        class Rev(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, block):
+                ctx.block, ctx.x = block, x.detach().requires_grad_()
+                return block.f(x)
+
+            @staticmethod
+            def backward(ctx, dy):
+        """) + inner + textwrap.dedent("""\
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.f = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return Rev.apply(x, self)
+
+            def backward_pass(self, dy):
+                x = self.x.detach().requires_grad_()
+                torch.autograd.backward(self.f(x), dy)
+                return x.grad
+
+        model = torch.nn.Sequential(Block(), torch.nn.Linear(4, 1)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        """) + TRAIN, notes=True)
+    assert "wrap_model" not in out and "distributed_sampler(" in out  # still data-parallel
+    assert any("Rev.backward" in n for n in reviews + notes)
+    block = out.split("class Block")[1].split("model =")[0]
+    assert "torch.autograd.backward(self.f(x), dy)" in block and "get_rank" not in block and "is_main" not in block

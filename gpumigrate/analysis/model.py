@@ -30,7 +30,7 @@ import libcst as cst
 
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.structure import NEVER, Binding, Function, Scope, Structure, dotted
-from gpumigrate.analysis.syntax import RUNTIME_MODULES, runtime_helper
+from gpumigrate.analysis.syntax import RUNTIME_MODULES, last_name, runtime_helper
 from gpumigrate.analysis.values import Values, call_argument
 
 _RANK_QUERIES = frozenset({"torch.distributed.get_rank", "torch.distributed.get_world_size",
@@ -312,12 +312,21 @@ class ScriptModel:
                 or self.qualify(node.func) == "torch.autograd.backward"]
 
     def _function_backward(self, call: cst.Call) -> Optional[Function]:
-        """The static method named `backward` (a custom autograd Function's) holding `call`."""
+        """The static method named `backward` (a custom autograd Function's) holding `call`, or
+        calling by name the function that holds it (`block.backward_pass(y, dy)`)."""
         fn = self.s.function(call)
-        if fn is not None and fn.name == "backward" and isinstance(fn.node, cst.FunctionDef) and any(
-                isinstance(d.decorator, cst.Name) and d.decorator.value == "staticmethod" for d in fn.node.decorators):
+        if fn is None:
+            return None
+        if fn in self._static_backwards:
             return fn
-        return None
+        return next((b for b in self._static_backwards
+                     if any(last_name(c.func) == fn.name for c in b.calls)), None)
+
+    @cached_property
+    def _static_backwards(self) -> List[Function]:
+        return [fn for fn in self.s.functions.values() if fn.name == "backward" and isinstance(fn.node, cst.FunctionDef)
+                and any(isinstance(d.decorator, cst.Name) and d.decorator.value == "staticmethod"
+                        for d in fn.node.decorators)]
 
     @cached_property
     def step_calls(self) -> List[cst.Call]:

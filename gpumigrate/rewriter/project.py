@@ -59,7 +59,8 @@ class Project:
     # longer uses may still be used there
     star_imported: bool = False
     # "Class.method" for the static methods that call a function of their own name (`@staticmethod
-    # def backward(ctx, dy): torch.autograd.backward(y, dy)`: a backward run inside a backward) in
+    # def backward(ctx, dy): torch.autograd.backward(y, dy)`: a backward run inside a backward), or
+    # a backward calling a function of the module that does (`block.backward_pass(y, dy)`), in
     # every module its run imports, three imports deep (a model's package whose layers import a
     # module of reversible blocks)
     recursive: Tuple[str, ...] = ()
@@ -149,6 +150,10 @@ def _read(path: Path) -> Optional[_Module]:
 def _recursive_methods(tree: ast.Module) -> Tuple[str, ...]:
     """See Project.recursive: any class of the module, at any depth."""
     out: Set[str] = set()
+    # the module's functions that run a backward (`def backward_pass(self, y, dy)` of a block,
+    # called from the Function's backward)
+    backwards = {fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and any(
+        isinstance(node, ast.Call) and _call_name(node) == "backward" for node in ast.walk(fn))}
     for cls in ast.walk(tree):
         if not isinstance(cls, ast.ClassDef):
             continue
@@ -156,7 +161,8 @@ def _recursive_methods(tree: ast.Module) -> Tuple[str, ...]:
             if not isinstance(fn, ast.FunctionDef) or not any(
                     isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
                 continue
-            if any(isinstance(node, ast.Call) and _call_name(node) == fn.name for node in ast.walk(fn)):
+            names = {fn.name, *backwards} if fn.name == "backward" else {fn.name}
+            if any(isinstance(node, ast.Call) and _call_name(node) in names for node in ast.walk(fn)):
                 out.add(f"{cls.name}.{fn.name}")
     return tuple(sorted(out))
 
