@@ -549,7 +549,8 @@ class Trainer(nn.Module):  # keeps a wrapped model as a submodule
     def __init__(self):
         super().__init__()
         self.head = nn.Linear(2, 2)
-        self.net = wrap_model(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+        # the script's own GPU index, passed on in `**kwargs`: no use on the CPU
+        self.net = wrap_model(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), **{"device_ids": [0], "output_device": 0})
 
 
 model = wrap_model(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))

@@ -1263,6 +1263,11 @@ class SpawnLauncher(Rule):
                       "def main_worker(gpu, n, args):\n    pass\n\n"
                       "ngpus = get_world_size()\nmain_worker(get_local_rank(), ngpus, None)\n"),
         Clean("import torch.multiprocessing as mp\nmp.set_start_method('spawn')\n"),
+        Flagged("import torch.multiprocessing as mp\n\ndef launch(worker_fn, world_size, *args):\n"
+                "    mp.spawn(worker_fn, args=(world_size, *args), nprocs=world_size)\n",
+                fixed="import torch.multiprocessing as mp\nfrom gpumigrate.runtime import get_local_rank\n\n"
+                      "def launch(worker_fn, world_size, *args):\n"
+                      "    worker_fn(get_local_rank(), world_size, *args)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -1279,7 +1284,8 @@ class SpawnLauncher(Rule):
                     self.counts.update(id(b.value) for b in bindings)
 
     def _spawn(self, call: cst.Call) -> Optional[cst.Name]:
-        """The worker function of `mp.spawn(fn, ...)` (a function of this file), or None."""
+        """The worker function of `mp.spawn(fn, ...)` (a function of this file, or one a launcher
+        helper is handed: `def launch(worker_fn, *args)`), or None."""
         if self.qualify(call.func) not in _SPAWN or not call.args or call.args[0].keyword or call.args[0].star:
             return None
         fn = call.args[0].value
@@ -1287,7 +1293,8 @@ class SpawnLauncher(Rule):
             return None
         model = script_model(self.ctx)
         _, bindings = model.s.lookup(fn.value, model.s.scope(call))
-        return fn if bindings and all(b.how == "def" for b in bindings) else None
+        return fn if bindings and (all(b.how == "def" for b in bindings)
+                                   or [b.how for b in bindings] == ["param"]) else None
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if id(original) in self.counts:
@@ -1299,11 +1306,12 @@ class SpawnLauncher(Rule):
         given = get_arg(updated, "args", 1)
         extra: List[cst.Arg] = []
         if given is not None:
-            if not isinstance(given.value, cst.Tuple) or any(e.__class__ is not cst.Element for e in given.value.elements):
+            if not isinstance(given.value, cst.Tuple):
                 self.report(original, "mp.spawn with arguments that are not a literal tuple: call the worker as "
                                       "`worker(get_local_rank(), *args)` under torchrun by hand", review=True)
                 return None
-            extra = [cst.Arg(e.value) for e in given.value.elements]
+            extra = [cst.Arg(e.value, star="*" if isinstance(e, cst.StarredElement) else "")
+                     for e in given.value.elements]
         self.report(original)
         return cst.Call(func=updated.args[0].value, args=[cst.Arg(_call(self.ctx, "get_local_rank", (), self.fixing)),
                                                           *extra])
@@ -2348,7 +2356,8 @@ class DdpDeviceIds(Rule):
     model = wrap_model(model)  # from gpumigrate.runtime
     ```
     Other DDP options (`broadcast_buffers`, `bucket_cap_mb`, ...) go to wrap_model as they
-    are; a call with `**kwargs` or a process group of its own is kept. In a script that
+    are, and so do `*args, **kwargs` (wrap_model does not use a device they name); a call with
+    a process group of its own is kept. In a script that
     converts BatchNorm to SyncBatchNorm, a plain
     `DistributedDataParallel(model)` becomes `wrap_model(model)` too: DDP refuses SyncBatchNorm
     on the CPU, and wrap_model keeps BatchNorm per process there.
@@ -2380,7 +2389,10 @@ class DdpDeviceIds(Rule):
                 "broadcast_buffers=False)\n",
                 fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\n"
                       "model = wrap_model(net, broadcast_buffers=False)\n"),
-        Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0], **opts)\n"),
+        Clean("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, **opts)\n"),
+        Flagged("import torch\nmodel = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids, *args, **opts)\n",
+                fixed="import torch\nfrom gpumigrate.runtime import wrap_model\n\n"
+                      "model = wrap_model(net, *args, **opts)\n"),
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -2395,10 +2407,12 @@ class DdpDeviceIds(Rule):
     def _replaces(self, call: cst.Call) -> bool:
         if self.qualify(call.func) not in DDP_CLASSES or not call.args or call.args[0].keyword or call.args[0].star:
             return False
-        given = [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
-                 for i, a in enumerate(call.args[1:])]
-        if "*" in given or "process_group" in given:  # `**kwargs`, a group of its own: kept
+        given = _ddp_arguments(call)
+        if "process_group" in given:  # a group of its own: kept
             return False
+        rest = call.args[1:]
+        if any(a.star == "*" for a in rest) and any(a.keyword is None and not a.star for a in rest):
+            return False  # `*args` after a positional device_ids: more positions wrap_model has not
         return bool(set(given) & set(_DDP_DEVICE_ARGS)) or "convert_sync_batchnorm" in self.ctx.text
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
@@ -2414,15 +2428,21 @@ class DdpDeviceIds(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         if not self._replaces(original):
             return None
-        rest = original.args[1:]
-        given = [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
-                 for i, a in enumerate(rest)]
-        if not set(given) & set(_DDP_DEVICE_ARGS):
+        if not set(_ddp_arguments(original)) & set(_DDP_DEVICE_ARGS):
             self.report(original, "DistributedDataParallel of a model with SyncBatchNorm runs on GPUs only; "
                                   "wrap_model keeps BatchNorm per process on the CPU")
         else:
             self.report(original)
         args = [cst.Arg(updated.args[0].value)]
-        args += [keyword_arg(a.keyword.value, a.value) for a in updated.args[1:]
-                 if a.keyword is not None and a.keyword.value not in _DDP_DEVICE_ARGS]  # its other options stay
+        # its other options stay, and `*args, **kwargs` (only empty `*args` could follow device_ids=)
+        args += [keyword_arg(a.keyword.value, a.value) if a.keyword is not None else cst.Arg(a.value, star=a.star)
+                 for a in updated.args[1:]
+                 if (a.keyword is not None and a.keyword.value not in _DDP_DEVICE_ARGS) or a.star]
         return _call(self.ctx, "wrap_model", args, self.fixing)
+
+
+def _ddp_arguments(call: cst.Call) -> List[str]:
+    """The names of the arguments a DistributedDataParallel call gives after the module ("*" for
+    `*args` and `**kwargs`)."""
+    return [a.keyword.value if a.keyword is not None else _DDP_DEVICE_ARGS[i] if i < 2 and not a.star else "*"
+            for i, a in enumerate(call.args[1:])]

@@ -596,7 +596,8 @@ def wrap_model(
     step averages what DDP does not). Its state_dict has the unwrapped model's keys.
 
     `device_ids` is given only for a model on a single GPU; a model spread over several
-    devices (model parallelism) or on the CPU is wrapped without it. `sync_batchnorm`
+    devices (model parallelism) or on the CPU is wrapped without it (a `device_ids` or
+    `output_device` among the options is not used). `sync_batchnorm`
     converts BatchNorm layers to SyncBatchNorm (worth it for small per-GPU batches). Other
     DistributedDataParallel options (`broadcast_buffers`, `bucket_cap_mb`, `static_graph`,
     ...) are passed on as they are.
@@ -616,6 +617,8 @@ def wrap_model(
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     else:  # DDP takes SyncBatchNorm on GPU modules only: on CPU (gloo) BatchNorm stays per process
         model = _per_process_batchnorm(model)
+    for derived in ("device_ids", "output_device"):  # the script's own, passed on in `**kwargs`
+        ddp_options.pop(derived, None)
     device_ids = None
     if len(devices) == 1:
         (only,) = devices
