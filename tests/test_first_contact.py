@@ -67,6 +67,8 @@ PROJECTS = {
                                             "(`Engine(step).run(loader)`)"),
     "reversible_blocks": ("train.py", "3: a model package whose reversible blocks run backward inside backward "
                                       "(a LayerNorm shared by two halves): DDP's reducer refuses it"),
+    "task_sequence": ("main.py", "1/6: tasks trained in turn, each task's loader from a helper module, iterated "
+                                 "through a bar bound to a name (`data_stream = tqdm(enumerate(loader, 1))`)"),
 }
 LOW, HIGH = 0.3, 0.7  # "about 1/N" for N = 2
 

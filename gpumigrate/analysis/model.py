@@ -777,8 +777,12 @@ class ScriptModel:
         makes: a loader handed in by another module."""
         out: Dict[int, List[str]] = {}
         by_name: Dict[Tuple[int, str], List[Consumption]] = {}
+        training = [c.node for c in self._consumptions_found if c.trains and isinstance(c.node, cst.For)]
         for consumption in self._consumptions_found:
             holder = consumption.holder
+            if any(inner is not consumption.node and self.s.index.contains(consumption.node, inner)
+                   for inner in training):
+                continue  # the tasks or datasets around the loop that draws the batches (`for task in tasks`)
             if isinstance(holder, cst.Name):
                 scope, _ = self.s.lookup(holder.value, self.s.scope(holder))
                 by_name.setdefault((id(scope), holder.value), []).append(consumption)

@@ -511,6 +511,7 @@ class DistributedSamplerRule(Rule):
         self.row_loads = {k: name for r in self.rows.values() for k, name in r.loads.items()}
         self.loop_sites: dict = {}  # id(original For) -> its BatchSites (data, counter)
         self.iter_sites: dict = {}  # id(original expression in `iter(...)`) -> its BatchSite
+        self.bound_sites: dict = {}  # id(original expression in `bar = tqdm(enumerate(...))`) -> its BatchSite
         self.step_sites: set = set()  # ids of `x += 1` step counters
         self.join_loops: set = set()  # ids of the `while` loops they end, where `join_ranks()` follows
         for site in (self.plan.batch_sites.values() if self.plan.active else ()):
@@ -522,6 +523,8 @@ class DistributedSamplerRule(Rule):
                 # cannot see): they meet at its end, before what follows saves the model
                 if self.plan.uneven_steps is not None or self.plan.driver:
                     self.join_loops.add(id(site.loop))
+            elif site.kind == "data" and not script_model(self.ctx).s.index.contains(site.loop.iter, site.expr):
+                self.bound_sites[id(site.expr)] = site  # in the wrapper a name the loop iterates is bound to
             else:
                 self.loop_sites.setdefault(id(site.loop), []).append(site)
 
@@ -550,6 +553,11 @@ class DistributedSamplerRule(Rule):
             self.report(original, "the iterator that `next()` draws training batches from is this rank's part of "
                                   "the loader (`shard_batches`)")
             return updated.with_changes(args=[updated.args[0].with_changes(value=self._sharded(updated.args[0].value))])
+        if self.bound_sites and any(id(a.value) in self.bound_sites for a in original.args):
+            self.report(original, "training data sharded where the loop iterates it (`shard_batches`: each rank "
+                                  "takes its own part, in full batches, a new order each pass)")
+            return updated.with_changes(args=[a.with_changes(value=self._sharded(a.value)) if id(o.value) in
+                                              self.bound_sites else a for o, a in zip(original.args, updated.args)])
         if self.plan.foreign_iterations and m.matches(original.func, m.Name("iter")) and len(original.args) == 1:
             inner = self._iterated(original.args[0].value, updated.args[0].value)
             if inner is not None:

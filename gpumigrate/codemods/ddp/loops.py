@@ -44,7 +44,7 @@ import libcst as cst
 
 from gpumigrate.analysis import values as v
 from gpumigrate.analysis.structure import dotted
-from gpumigrate.analysis.syntax import runtime_helper
+from gpumigrate.analysis.syntax import last_name, runtime_helper
 
 
 @dataclass
@@ -363,6 +363,10 @@ class TrainingLoops:
         if self._runtime_calls(loop.iter, "shard_batches", "shard_loader", "shard_rows"):
             return True
         for expr in self._sources(loop.iter):
+            wrapped = self._unbound(expr)
+            if wrapped != [expr] and any(isinstance(e, cst.Call) and runtime_helper(self.model.qualify(e.func)) in (
+                    "shard_batches", "shard_loader") for e in wrapped):
+                return True
             if id(expr) in self.foreign_iterations:
                 return True
             for loader in self.model.loaders:
@@ -430,11 +434,25 @@ class TrainingLoops:
         """The data a `for` loop iterates (empty where it iterates no data)."""
         if not isinstance(loop, cst.For):
             return []
-        sources = self._sources(loop.iter)
+        sources = [inner for e in self._sources(loop.iter) for inner in self._unbound(e)]
         if not any(self._is_data(e, outer) for e in sources) or self._iterates_learners(loop):
             return []
         # zip(batches, targets): every iterable of the zip alike, so their items stay paired
         return [e for e in sources if self._counter(e) is None]
+
+    def _unbound(self, expr: cst.BaseExpression) -> List[cst.BaseExpression]:
+        """What a name bound to a wrapper takes items from (`data_stream = tqdm(enumerate(loader))`,
+        then `for i, (x, y) in data_stream`): the loader, sharded there, so a bar over an
+        `enumerate` (which hides the loader from the runtime) still counts this rank's batches."""
+        if isinstance(expr, cst.Name):
+            stmt = self.s.statement(expr)
+            _, reaching = self.s.lookup(expr.value, self.s.scope(expr), self.s.order(stmt) if stmt is not None else -1)
+            if len(reaching) == 1 and reaching[0].how == "assign" and isinstance(reaching[0].value, cst.Call) and \
+                    last_name(reaching[0].value.func) in _WRAPPERS and self._counter(reaching[0].value) is None:
+                sources = self._sources(reaching[0].value)
+                if sources != [reaching[0].value]:
+                    return sources
+        return [expr]
 
     def _iterates_learners(self, loop: cst.For) -> bool:
         """`for i, agent in enumerate(agents): ... agent.step(...)`: the items are what trains
