@@ -67,6 +67,8 @@ PROJECTS = {
                                             "(`Engine(step).run(loader)`)"),
     "reversible_blocks": ("train.py", "3: a model package whose reversible blocks run backward inside backward "
                                       "(a LayerNorm shared by two halves): DDP's reducer refuses it"),
+    "star_imports": ("train.py", "a script that takes torch and everything else from `from utils import *`: left "
+                                 "as it was, every rank trained by itself"),
     "task_sequence": ("main.py", "1/6: tasks trained in turn, each task's loader from a helper module, iterated "
                                  "through a bar bound to a name (`data_stream = tqdm(enumerate(loader, 1))`)"),
 }

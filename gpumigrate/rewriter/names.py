@@ -7,7 +7,7 @@ locally is rare in training scripts and is not tracked.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import libcst as cst
 
@@ -43,8 +43,9 @@ def _statements(body) -> Iterator[cst.CSTNode]:
 class ImportTable:
     """Maps local names to the qualified names their imports bind."""
 
-    def __init__(self, module: cst.Module) -> None:
-        self.local: Dict[str, str] = {}
+    def __init__(self, module: cst.Module, inherited: Sequence[Tuple[str, str]] = ()) -> None:
+        # `inherited`: what `from project_module import *` brings (its imports); the file's own win
+        self.local: Dict[str, str] = dict(inherited)
         for stmt in _statements(module.body):
             if isinstance(stmt, cst.Import):
                 for alias in stmt.names:

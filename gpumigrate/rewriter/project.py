@@ -64,6 +64,9 @@ class Project:
     # every module its run imports, three imports deep (a model's package whose layers import a
     # module of reversible blocks)
     recursive: Tuple[str, ...] = ()
+    # the imports of the project modules it takes all the names of (`from utils import *`, where
+    # utils.py has `import torch`): local name -> qualified name, as its own imports are
+    star_names: Tuple[Tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -80,6 +83,7 @@ class _Module:
     steps: Tuple[str, ...] = ()
     looped: Tuple[str, ...] = ()
     recursive: Tuple[str, ...] = ()  # see Project.recursive
+    exports: Tuple[Tuple[str, str], ...] = ()  # its top-level absolute imports: local name -> qualified
 
 
 class _Reader:
@@ -144,7 +148,22 @@ def _read(path: Path) -> Optional[_Module]:
                    _runs_code(tree), found, defines, tuple(starred),
                    tuple(sorted(f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
                                 for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))),
-                   stateful_classes(tree), steps, tuple(sorted(looped - {""})), recursive)
+                   stateful_classes(tree), steps, tuple(sorted(looped - {""})), recursive, _exports(tree))
+
+
+def _exports(tree: ast.Module) -> Tuple[Tuple[str, str], ...]:
+    """The names a module's top-level imports bind (`from mod import *` takes them too)."""
+    out: Dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    out[alias.asname] = alias.name
+                else:
+                    out[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.update((a.asname or a.name, f"{node.module}.{a.name}") for a in node.names if a.name != "*")
+    return tuple(sorted(out.items()))
 
 
 def _recursive_methods(tree: ast.Module) -> Tuple[str, ...]:
@@ -370,9 +389,10 @@ def projects(paths: Sequence[str]) -> Dict[str, Project]:
         importers = [link for link in (_link(other, in_run) for other in drivers.values()) if link is not None]
         starred = path in star_imported
         recursive = sorted({r for p in _reached(module, reader) for r in getattr(reader.get(p), "recursive", ())})
-        if imports or importers or starred:
+        star_names = tuple(sorted({pair for t in module.star_imports for pair in getattr(reader.get(t), "exports", ())}))
+        if imports or importers or starred or star_names:
             out[raw] = Project(tuple(sorted(imports, key=lambda l: l.path)), tuple(sorted(importers, key=lambda l: l.path)),
-                               starred, tuple(recursive))
+                               starred, tuple(recursive), star_names)
     return out
 
 

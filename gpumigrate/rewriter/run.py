@@ -65,8 +65,11 @@ def process_passes(source: bytes, path: str, passes: Sequence[Pass], options: Op
     except UserError as exc:
         return FileResult(path=path, source=source, error=str(exc))
 
+    inherited = getattr((options or {}).get("project"), "star_names", ())
+    names = (lambda module: ImportTable(module, inherited)) if inherited else ImportTable
+
     def one(text: bytes, rules: Sequence[type], fix: Sequence[str]) -> FileResult:
-        return run_deep(engine, text, path, rules, fix=fix, names_factory=ImportTable, options=options,
+        return run_deep(engine, text, path, rules, fix=fix, names_factory=names, options=options,
                         repairs=repairs, reuse=reuse)
 
     if len(passes) == 1 and not passes[0][1] and start is source:  # lint: nothing changes, one run
