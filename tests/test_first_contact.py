@@ -51,6 +51,8 @@ SCRIPTS = {
                         "picked in an if/elif chain",
     "next_relay_bar.py": "3: a generator restarting `iter(loader)` with next(), steps counted by a `pbar = trange(n)`",
     "bar_bound_loader.py": "1: `pbar = tqdm(loader)` bound to a name, then `for x, c in pbar`",
+    "full_batch_density.py": "no DataLoader: full-batch fits on fixed samples, the loss a negated mean of a "
+                             "forward's unpacked outputs, or a model method's per-sample losses `.mean()`",
     "rank_zero_eval.py": "8: the script's own `if args.local_rank in [-1, 0]:` evaluates through the wrapped model",
 }
 PROJECTS = {
@@ -79,6 +81,12 @@ def _steps(report: dict) -> int:
     return sum(o["steps"] for o in report.get("optimizers", []))
 
 
+def _rows(report: dict) -> float:
+    """The mean rows (dim 0) the training forwards took per optimizer step."""
+    rows = report.get("rows") or []
+    return sum(rows) / len(rows) if rows else 0.0
+
+
 def _drawn(report: dict) -> int:
     return sum(len(s["indices"]) for s in report.get("samplers", []) if s.get("steps"))
 
@@ -105,10 +113,11 @@ class Pair:
         per_step = [(r["backwards"] / max(1, _steps(r))) / (self.one.ranks[0]["backwards"] / steps_one) for r in ranks]
         drawn_one = _drawn(self.one.ranks[0])
         drawn = [_drawn(r) / drawn_one if drawn_one else 0.0 for r in ranks]
-        assert all(LOW <= x <= HIGH for x in split) or all(LOW <= x <= HIGH for x in per_step) or \
-            all(LOW <= x <= HIGH for x in drawn), (
-                f"the work is not split: steps {[_steps(r) for r in ranks]} of {steps_one}, backward calls per step "
-                f"{per_step}, samples {drawn} of one process's")
+        rows_one = _rows(self.one.ranks[0])  # a full batch split by rows (shard_rows)
+        rows = [_rows(r) / rows_one if rows_one else 0.0 for r in ranks]
+        assert any(all(LOW <= x <= HIGH for x in share) for share in (split, per_step, drawn, rows)), (
+            f"the work is not split: steps {[_steps(r) for r in ranks]} of {steps_one}, backward calls per step "
+            f"{per_step}, samples {drawn}, rows per step {rows} of one process's")
         assert ranks[1]["stdout"].strip() == "", f"rank 1 printed too: {ranks[1]['stdout'][:300]!r}"
 
 

@@ -191,10 +191,16 @@ class Sharding:
         inner = loops[0]
 
         losses = self._bound_in(func.value.value, scope, inner)
-        if len(losses) != 1 or losses[0].how != "assign" or not isinstance(losses[0].value, cst.Call) \
-                or losses[0].order > self.s.order(backward):
+        if len(losses) != 1 or losses[0].how != "assign" or losses[0].order > self.s.order(backward):
             return None
         loss = losses[0].value
+        if isinstance(loss, cst.UnaryOperation) and isinstance(loss.operator, cst.Minus):
+            loss = loss.expression  # `-torch.mean(log_prob)`
+        if not isinstance(loss, cst.Call):
+            return None
+        while isinstance(loss.func, cst.Attribute) and loss.func.attr.value in ("mean", "sum") and not loss.args \
+                and isinstance(loss.func.value, cst.Call):
+            loss = loss.func.value  # `model.loss(x, y).mean()`: the per-sample losses it reduces
         forward, outputs = loss, set()
         inline = [c for arg in loss.args for c in self.s.inside(arg.value, cst.Call) if self._fixed_forward(c, inner)]
         if len(inline) == 1:  # `criterion(model(x), y)`
