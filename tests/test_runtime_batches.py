@@ -52,6 +52,8 @@ for it in shard_batches(range(4)):  # a checkpoint holding a step loads with wei
     torch.save({"iteration": it, "hist": [it]}, os.path.join(sys.argv[1], "step{}.pt".format(rank)))
 rec["indices"] = list(shard_batches(range(0, 23, 4), indices=True))
 rec["list"] = list(shard_batches(list("abcdefg")))
+rec["list_loader"] = shard_loader(list("abcdefg"))  # kept, to be iterated again
+rec["tuple_eval"] = shard_loader(tuple("abc"), pad=False)
 rec["generator"] = list(shard_batches(x * x for x in range(7)))
 
 class Buckets(BatchSampler):  # a batch sampler of the project's own: its batches dealt out
@@ -185,6 +187,8 @@ def test_a_range_that_indexes_the_data_is_dealt_out_in_contiguous_blocks(ranks):
 
 def test_other_iterables_are_dealt_out_round_robin_in_equal_numbers(ranks):
     assert (ranks[0]["list"], ranks[1]["list"]) == (["a", "c", "e"], ["b", "d", "f"])
+    assert (ranks[0]["list_loader"], ranks[1]["list_loader"]) == (["a", "c", "e"], ["b", "d", "f"])
+    assert (ranks[0]["tuple_eval"], ranks[1]["tuple_eval"]) == (("a", "c"), ("b",))  # evaluation: every one
     assert (ranks[0]["generator"], ranks[1]["generator"]) == ([0, 4, 16], [1, 9, 25])
     # five batches of five from the project's batch sampler: two each, the fifth left out
     assert ranks[0]["batch_sampler"] == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]

@@ -880,7 +880,9 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True, shard: bool = 
     is the same on every rank). `pad=False` (evaluation): every sample once, in order, shards
     differing in size by at most one.
 
-    What cannot be sharded safely is returned unchanged with one warning naming why (every
+    A list or tuple (batches the script made) is dealt out: this rank's every WORLD_SIZE-th
+    item, as many on every rank. What cannot be sharded safely is returned unchanged with one
+    warning naming why (every
     rank then reads all of it): an IterableDataset, a custom sampler or batch_sampler, a
     RandomSampler drawing with replacement or a number of samples, a DataLoader subclass. A
     loader already sharded (a DistributedSampler) is returned as it is. The same `loader` gives
@@ -898,7 +900,22 @@ def shard_loader(loader: Any, *, seed: int = 0, pad: bool = True, shard: bool = 
         except TypeError:
             pass
         return bar
+    if isinstance(loader, (list, tuple)):  # batches the script made itself (`np.split(data, n // 8)`)
+        return _dealt(loader, pad)
     return _cached_shard(loader, seed, pad, False)
+
+
+def _dealt(batches: Union[list, tuple], pad: bool) -> Union[list, tuple]:
+    """This rank's every WORLD_SIZE-th batch: training (`pad`) as many on every rank (the last
+    few left out), so no rank waits in a step the others never take; evaluation every one."""
+    world = get_world_size()
+    end = len(batches) // world * world if pad else len(batches)
+    if end == 0:
+        if is_main_process():
+            warnings.warn(f"gpumigrate.runtime: shard_loader: {len(batches)} batches for {world} ranks; every rank "
+                          "reads all of them", RuntimeWarning, stacklevel=3)
+        return batches
+    return type(batches)(batches[get_rank():end:world])
 
 
 def _progress_bar(obj: Any) -> Optional[Any]:
