@@ -53,6 +53,8 @@ SCRIPTS = {
     "bar_bound_loader.py": "1: `pbar = tqdm(loader)` bound to a name, then `for x, c in pbar`",
     "full_batch_density.py": "no DataLoader: full-batch fits on fixed samples, the loss a negated mean of a "
                              "forward's unpacked outputs, or a model method's per-sample losses `.mean()`",
+    "generator_own_loader.py": "3: a generator that makes (and remakes) its own DataLoader, drawn with next() "
+                               "under a counted `with tqdm(range(n)) as pbar`",
     "rank_zero_eval.py": "8: the script's own `if args.local_rank in [-1, 0]:` evaluates through the wrapped model",
 }
 PROJECTS = {

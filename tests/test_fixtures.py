@@ -42,7 +42,8 @@ RUN_ELSEWHERE = {"mnist_2019.py", "resnet_dataparallel.py", "dcgan_gan.py", "che
                  "val_loss_counter.py", "progress_bar_read.py", "relayed_loader_steps.py",
                  "agents_in_a_list.py", "logging_setup.py", "launch_flag_finetune.py",
                  "own_ddp_class.py", "next_relay_bar.py",
-                 "bar_bound_loader.py", "rank_zero_eval.py", "full_batch_density.py"}
+                 "bar_bound_loader.py", "rank_zero_eval.py", "full_batch_density.py",
+                 "generator_own_loader.py"}
 
 
 # The amp migrations' goldens: every mixed-precision fixture, and older fixtures with `.half()`

@@ -925,12 +925,14 @@ class ScriptModel:
                     if self.kind(holder) in (v.LOADER, v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                         loop = node if isinstance(node, cst.For) else self.s.statement(node)
                         trains = self.trains(node.body) if isinstance(node, cst.For) else self._loop_trains(node)
+                        trains = trains or (relay and self._drawn_in_training(self.s.function(node)))
                         out.append(Consumption(loop, holder, trains, peek=relay and not trains))
             elif kind is cst.Call and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                 trains = self._loop_trains(node)
                 # a generator's draws (`data_iter = iter(loader)`, `yield next(data_iter)`) are its caller's
                 relay = self._generator(self.s.function(node))
+                trains = trains or (relay and self._drawn_in_training(self.s.function(node)))
                 out.append(Consumption(node, node.args[0].value, trains,
                                        peek=not trains and (relay or not self.in_loop(node))))
             elif kind is cst.Call and isinstance(node.func, cst.Attribute) and \
@@ -940,6 +942,13 @@ class ScriptModel:
                 for holder in self._handed(node):
                     out.append(Consumption(node, holder, True))
         return out
+
+    def _drawn_in_training(self, generator: Any) -> bool:
+        """A generator of this file that a training function draws from (`dataset =
+        iter(sample_data(path))`, then `next(dataset)` each step), where the loader it relays is
+        its own (`loader = DataLoader(...)` in its body, remade when spent): that loader trains."""
+        return generator is not None and bool(generator.callers) and all(
+            (fn := self.s.function(c)) is not None and self.function_trains(fn) for c in generator.callers)
 
     def _handed(self, call: cst.Call) -> List[cst.BaseExpression]:
         """The loaders a library's runner takes to train on: `trainer.run(loader, epochs)` where

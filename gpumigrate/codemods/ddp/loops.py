@@ -693,6 +693,11 @@ class TrainingLoops:
         origins = self.model.origins(expr) if isinstance(expr, (cst.Name, cst.Attribute)) else []
         if origins and all(self.sharded(o) is not None for o, _ in origins):
             return True
+        callee = self.s.callee(expr) if isinstance(expr, cst.Call) else None
+        if callee is not None and self.model._generator(callee):  # `iter(sample_data(...))`: loaders it makes
+            made = [c for c in self.s.inside(callee.node.body, cst.Call) if self.model.qualify(c.func) in v.DATALOADER]
+            if made and all(self.sharded(c) is not None for c in made):
+                return True
         return self._foreign_holder(expr) or id(expr) in self.foreign_iterations
 
     def _runtime_calls(self, node: cst.CSTNode, *names: str) -> List[cst.Call]:
