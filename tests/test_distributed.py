@@ -805,3 +805,13 @@ def test_a_backward_run_inside_a_custom_functions_backward_is_no_training_and_ke
     assert any("Rev.backward" in n for n in reviews + notes)
     block = out.split("class Block")[1].split("model =")[0]
     assert "torch.autograd.backward(self.f(x), dy)" in block and "get_rank" not in block and "is_main" not in block
+
+
+@pytest.mark.parametrize("test", ["is_primary()", "utils.is_main()", "is_rank0()", "args.is_master"])
+def test_output_under_the_scripts_own_rank_zero_test_is_not_gated_again(test):
+    out, _ = ddp(textwrap.dedent(f"""\
+        import utils
+        model = torch.nn.Linear(4, 1).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        """) + TRAIN + f"    if {test}:\n        print(\"epoch\", epoch)\n")
+    assert f"    if {test}:\n        print(\"epoch\", epoch)\n" in out  # left as it was, not gated a second time

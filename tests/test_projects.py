@@ -384,3 +384,24 @@ def test_a_function_that_trains_through_a_helper_module_gets_no_no_grad(target, 
     assert done.exit_code == 0, done.output
     assert "no_grad" not in (project / "train.py").read_text()
     assert "1 " in _ok(_run(project / "train.py"))  # both epochs printed
+
+
+def test_a_helper_migrated_in_the_same_run_is_not_put_up_for_review(tmp_path):
+    """A loop's call of a project helper that may print is a review item only where the helper's
+    module is not migrated with the script: when it is, its prints are gated there."""
+    project = tmp_path / "helped"
+    project.mkdir()
+    (project / "helpers.py").write_text("def show(step, loss):\n    print(step, loss)\n")
+    (project / "train.py").write_text(
+        "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\nimport helpers\n\n"
+        "data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))\nmodel = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step, (x, y) in enumerate(DataLoader(data, batch_size=4, shuffle=True)):\n"
+        "    loss = torch.nn.functional.mse_loss(model(x), y)\n    opt.zero_grad()\n    loss.backward()\n"
+        "    opt.step()\n    helpers.show(step, loss.item())\n")
+    alone = _cli(project / "train.py", "--to", "ddp", "--diff")
+    together = _cli(project, "--to", "ddp", "--diff")
+    assert alone.exit_code == 0 and together.exit_code == 0, alone.output + together.output
+    assert "`helpers.show` comes from another file" in alone.output
+    assert "comes from another file" not in together.output
+    assert "if is_main_process():\n+        print(step, loss)" in together.output

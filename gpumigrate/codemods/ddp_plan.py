@@ -46,6 +46,7 @@ from gpumigrate.codemods.ddp.rank0 import RankZero
 from gpumigrate.codemods.ddp.reach import Reach
 from gpumigrate.codemods.ddp.reduce import Reductions
 from gpumigrate.codemods.ddp.wrap import Wrap, Wraps  # noqa: F401  (Wrap: re-exported)
+from gpumigrate.codemods.helpers import project_module
 from gpumigrate.rewriter.project import stateful_classes
 
 # collectives a module that keeps its state consistent across ranks calls itself
@@ -453,6 +454,9 @@ class DdpPlan(Wraps, Sharding, TrainingLoops, Reductions, RankZero, Reach):
                 top = qualified.split(".")[0]
                 if not qualified or qualified in seen or top in _LIBRARIES or self.model.output_call(call):
                     continue
+                link = project_module(self.ctx, qualified.rsplit(".", 1)[0]) if "." in qualified else None
+                if link is not None and link.in_run:
+                    continue  # migrated in this run: its own prints and writes are gated there
                 seen.add(qualified)
                 out.append((call, f"`{qualified}` comes from another file of the project: if it prints or writes, "
                                   "it does so on every rank; put it under `if is_main_process():` if it only reports"))

@@ -18,7 +18,7 @@ from gpumigrate.analysis import script_model
 from gpumigrate.analysis.launch import LAUNCHER_OPTIONS, launcher_variable, signed_int
 from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
 from gpumigrate.analysis.structure import dotted
-from gpumigrate.analysis.syntax import runtime_helper, walk
+from gpumigrate.analysis.syntax import last_name, runtime_helper, walk
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp import FSDP_CODE, sharding  # noqa: F401  (FSDP_CODE re-exported)
 from gpumigrate.codemods.ddp_plan import ddp_plan, device_definition, main_block
@@ -1708,6 +1708,8 @@ class CollectiveInRankBranch(Rule):
                 "if dist.get_rank() == 0:\n    sync()\n"),
         Clean("import torch.distributed as dist\nif dist.get_rank() == 0:\n    print('saved')\ndist.barrier()\n"),
         Clean("import torch.distributed as dist\nif epoch == 0:\n    dist.barrier()\n"),
+        Clean("import torch.distributed as dist\nif dist.get_rank() == 0:\n    dist.gather(x, gather_list=out)\n"
+              "else:\n    dist.gather(x)\n"),
     )
 
     def visit_Call(self, node: cst.Call) -> None:
@@ -1716,12 +1718,25 @@ class CollectiveInRankBranch(Rule):
             return
         plan = ddp_plan(self.ctx)
         if plan.gated(node):
-            self.report(node)
+            if not self._both_branches(node):
+                self.report(node)
             return
         fn = model.s.function(node)
         if fn is not None and fn.callers and all(plan.gated(c) for c in fn.callers):
             self.report(node, f"a collective in `{fn.name}()`, which only rank-0 branches call: the other ranks "
                               "never reach it, and the job hangs")
+
+    def _both_branches(self, node: cst.Call) -> bool:
+        """`if is_primary(): dist.gather(x, gather_list=out)` `else: dist.gather(x)`: the
+        same collective on the other ranks' branch, so every rank enters it."""
+        model = script_model(self.ctx)
+        name = last_name(node.func)
+        for ancestor in model.s.ancestors(node):
+            if isinstance(ancestor, cst.If) and ancestor.orelse is not None and \
+                    not model.s.index.contains(ancestor.test, node):
+                other = ancestor.orelse if model.s.index.contains(ancestor.body, node) else ancestor.body
+                return any(last_name(c.func) == name and model.collective(c) for c in model.s.inside(other, cst.Call))
+        return False
 
 
 _SAFE_ATTRIBUTES = {

@@ -135,7 +135,7 @@ def defined_in(ctx, func: cst.BaseExpression) -> Tuple[Optional[Any], str]:
     qualified = ctx.names.qualify(func) or ""
     module, _, name = qualified.rpartition(".")
     if module:
-        return _project_module(ctx, module), name
+        return project_module(ctx, module), name
     if not isinstance(func, cst.Name):
         return None, ""
     for stmt in ctx.module.body:  # a relative import, which names do not qualify
@@ -144,7 +144,7 @@ def defined_in(ctx, func: cst.BaseExpression) -> Tuple[Optional[Any], str]:
                 for alias in small.names:
                     if (alias.asname.name.value if alias.asname else alias.name.value) == func.value:
                         dotted = cst.Module(body=[]).code_for_node(small.module) if small.module else ""
-                        return _project_module(ctx, dotted), alias.name.value
+                        return project_module(ctx, dotted), alias.name.value
     return _star_imported(ctx, func), func.value
 
 
@@ -162,7 +162,7 @@ def _star_imported(ctx, func: cst.BaseExpression) -> Optional[Any]:
                 None)
 
 
-def _project_module(ctx, module: str) -> Optional[Any]:
+def project_module(ctx, module: str) -> Optional[Any]:
     """The project module (rewriter/project.py's Link) a dotted module name imports, if any
     (`.alias` of a relative import: by its last parts)."""
     module = module.lstrip(".")
