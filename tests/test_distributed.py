@@ -815,3 +815,18 @@ def test_output_under_the_scripts_own_rank_zero_test_is_not_gated_again(test):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         """) + TRAIN + f"    if {test}:\n        print(\"epoch\", epoch)\n")
     assert f"    if {test}:\n        print(\"epoch\", epoch)\n" in out  # left as it was, not gated a second time
+
+
+def test_a_few_batches_looked_at_with_islice_do_not_make_the_training_loader_an_evaluation_one():
+    # a data-dependent init (Glow's ActNorm) reads a few training batches before training
+    out, reviews = ddp(textwrap.dedent("""\
+        from itertools import islice
+        loader = DataLoader(train_set, batch_size=4, shuffle=True, drop_last=True)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torch.no_grad():
+            for x, y in islice(loader, None, 2):
+                model(x)
+        """) + TRAIN.split("\n", 1)[1])
+    assert "shuffle=True, drop_last=True" not in out and "sampler=distributed_sampler(train_set)" in out
+    assert not any("training and for evaluation" in r for r in reviews), reviews

@@ -926,7 +926,10 @@ class ScriptModel:
                         loop = node if isinstance(node, cst.For) else self.s.statement(node)
                         trains = self.trains(node.body) if isinstance(node, cst.For) else self._loop_trains(node)
                         trains = trains or (relay and self._drawn_in_training(self.s.function(node)))
-                        out.append(Consumption(loop, holder, trains, peek=relay and not trains))
+                        # `for x, y in islice(loader, n)`: a look at a few batches (a data-dependent
+                        # init), no pass over the set
+                        few = isinstance(node.iter, cst.Call) and self.qualify(node.iter.func) == "itertools.islice"
+                        out.append(Consumption(loop, holder, trains, peek=(relay or few) and not trains))
             elif kind is cst.Call and isinstance(node.func, cst.Name) and node.func.value == "next" \
                     and node.args and self.kind(node.args[0].value) in (v.ITERATOR, v.UNKNOWN, v.NEUTRAL):
                 trains = self._loop_trains(node)
