@@ -830,3 +830,14 @@ def test_a_few_batches_looked_at_with_islice_do_not_make_the_training_loader_an_
         """) + TRAIN.split("\n", 1)[1])
     assert "shuffle=True, drop_last=True" not in out and "sampler=distributed_sampler(train_set)" in out
     assert not any("training and for evaluation" in r for r in reviews), reviews
+
+
+def test_a_script_with_its_own_is_main_process_is_gated_once_through_the_alias():
+    # the runtime's helper comes in as `gm_is_main_process`: its branches count as rank-0 ones
+    out, _ = ddp(textwrap.dedent("""\
+        def is_main_process():
+            return True
+        model = torch.nn.Linear(4, 1).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        """) + TRAIN + "    print('epoch', epoch)\n")
+    assert "    if gm_is_main_process():\n        print('epoch', epoch)\n" in out  # ddp() checks a second run

@@ -26,7 +26,7 @@ from gpumigrate.analysis.structure import Function
 
 _LISTINGS = ("glob.", "os.listdir", "os.scandir", "os.walk")
 # the names projects give their own rank-0 test (`def is_primary(): return get_rank() == 0`)
-_MAIN_RANK_NAMES = r"\bis_(main_process|primary|main|main_rank|rank_?0|rank_zero|master)\b"
+_MAIN_RANK_NAMES = r"is_(main_process|primary|main|main_rank|rank_?0|rank_zero|master)\b"  # `gm_is_main_process` too
 _RANK0_TEST = re.compile(r"(rank\b[^=]*==\s*0|rank\s+in\s*[\[(]\s*-1\s*,\s*0|rank\s*<=\s*0|" + _MAIN_RANK_NAMES +
                          r"|get_rank\(\)\s*==\s*0|local_rank\s+in\s*\[)")
 # rank 0 of the whole job (not `local_rank == 0`, true once per machine)
