@@ -841,3 +841,17 @@ def test_a_script_with_its_own_is_main_process_is_gated_once_through_the_alias()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         """) + TRAIN + "    print('epoch', epoch)\n")
     assert "    if gm_is_main_process():\n        print('epoch', epoch)\n" in out  # ddp() checks a second run
+
+
+def test_a_folder_made_with_exist_ok_is_made_on_every_rank():
+    # gated to rank 0, another rank could open its log file inside before the folder exists
+    out, _ = ddp(textwrap.dedent("""\
+        import logging, os, time
+        outdir = 'exps/run_' + time.strftime('%H%M')
+        os.makedirs(outdir, exist_ok=True)
+        logging.basicConfig(filename=outdir + '/std.log')
+        model = torch.nn.Linear(4, 1).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        """) + TRAIN)
+    assert "\nos.makedirs(outdir, exist_ok=True)\n" in out
+    assert "broadcast_object(" in out  # the clock's name is rank 0's on every rank

@@ -1139,6 +1139,10 @@ class ScriptModel:
             return "print"
         if qualified.startswith("logging.") and qualified.rsplit(".", 1)[1] in _LOG_METHODS:
             return "log"
+        if qualified == "os.makedirs":
+            exist_ok = call_argument(call, "exist_ok", 2)
+            if isinstance(exist_ok, cst.Name) and exist_ok.value == "True":
+                return None  # every rank may make it (no race), and none opens a file in it before it exists
         if qualified in SAVE_CALLS or qualified.endswith(".save_image"):
             return "save"
         if qualified in ("tqdm.tqdm.write", "tqdm.auto.tqdm.write", "tqdm.write"):
