@@ -363,9 +363,20 @@ class ScriptModel:
         scope = self.s.scope(at)
         for call in self.backward_calls:
             if self.s.scope(call) is scope and isinstance(call.func, cst.Attribute):
-                if any(isinstance(n, cst.Name) and n.value == name for n in self.s.index.subtree(call.func.value)):
+                if name in self._names_behind(call.func.value, scope):
                     return True
         return False
+
+    def _names_behind(self, expr: cst.CSTNode, scope: Scope, depth: int = 0) -> Set[str]:
+        """The names `expr` reads, and those its names were assigned from in `scope`
+        (`meta_loss = losses_q[-1] / n`, then `meta_loss.backward()`: `losses_q` too)."""
+        names = {n.value for n in self.s.index.subtree(expr) if isinstance(n, cst.Name)}
+        if depth < 3:
+            for name in list(names):
+                for b in scope.bindings.get(name, []):
+                    if b.how == "assign" and isinstance(b.value, cst.BaseExpression):
+                        names |= self._names_behind(b.value, scope, depth + 1)
+        return names
 
     @cached_property
     def training_functions(self) -> Set[int]:

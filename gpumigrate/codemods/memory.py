@@ -125,6 +125,10 @@ class TensorAccumulation(Rule):
         Clean("loss = criterion(out, y)\nepoch_loss += loss.detach()\n"),
         Clean("total = 0\nfor part in parts:\n    loss = criterion(part)\n    total += loss\ntotal.backward()\n"),
         Clean("count += batch_size\ndef f(loss):\n    total += other\n"),
+        # MAML's per-step query losses, the last one backpropagated through a name bound to it
+        Clean("import torch.nn.functional as F\nlosses_q = [0, 0]\nfor x, y in tasks:\n    for k in range(2):\n"
+              "        loss_q = F.mse_loss(model(x), y)\n        losses_q[k] += loss_q\nmeta_loss = losses_q[-1] / len(tasks)\n"
+              "meta_loss.backward()\n"),
         # a model's forward sums its per-step losses and returns them: its caller backpropagates
         Clean("import torch.nn.functional as F\nclass VRNN(nn.Module):\n    def forward(self, x):\n"
               "        kld_loss = 0\n        for t in range(x.size(0)):\n"
@@ -215,6 +219,8 @@ class TensorInContainer(Rule):
         ),
         Clean("loss = criterion(out, y)\nlosses.append(loss.item())\nouts.append(out)\n"),
         Clean("losses = []\nfor x in xs:\n    loss = criterion(x)\n    losses.append(loss)\ntorch.stack(losses).sum().backward()\n"),
+        Clean("import torch.nn.functional as F\nlosses = []\nfor x, y in data:\n    loss = F.mse_loss(model(x), y)\n"
+              "    losses.append(loss)\ntotal = sum(losses) / len(losses)\ntotal.backward()\n"),
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call):
