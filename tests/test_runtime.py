@@ -164,16 +164,23 @@ def test_local_rank_picks_the_gpu(fake_cuda, monkeypatch, rt):
 
 
 def test_tensor_type_legacy_constructor_forms(rt):
-    tensor_type, get_device = rt.tensor_type, rt.get_device
+    tensor_type = rt.tensor_type
     Tensor = tensor_type(torch.float32, "cpu")
     by_size = Tensor(2, 3)
     assert by_size.shape == (2, 3) and by_size.dtype == torch.float32
     assert Tensor(torch.Size([4])).shape == (4,)
     assert Tensor([1, 2]).tolist() == [1.0, 2.0]
-    assert Tensor(torch.tensor([1, 2])).dtype == torch.float32
     assert Tensor().numel() == 0
     assert tensor_type(torch.int64, "cpu")([1.0]).dtype == torch.int64
-    assert tensor_type(torch.float32).device == get_device()
+    # a real type, as the script's `torch.FloatTensor` was: `.type(T)`, isinstance, a default argument
+    assert torch.arange(3).type(Tensor).dtype == torch.float32 and isinstance(torch.ones(1), Tensor)
+    assert tensor_type(torch.float32) is torch.FloatTensor  # get_device() is the CPU here
+
+
+def test_tensor_type_on_a_device_without_legacy_types_makes_tensors_there(rt):
+    Tensor = rt.tensor_type(torch.float32, "meta")
+    assert Tensor(2, 3).device.type == "meta" and Tensor(torch.tensor([1, 2])).dtype == torch.float32
+    assert Tensor([1, 2]).shape == (2,) and Tensor().numel() == 0
 
 
 def test_import_has_no_side_effects_and_no_tool_dependencies():

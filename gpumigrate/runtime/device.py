@@ -139,13 +139,31 @@ def synchronize(device: Union[int, torch.device, str, None] = None) -> None:
         torch.accelerator.synchronize(device)
 
 
-class tensor_type:  # noqa: N801  (named like the legacy types it replaces)
-    """A stand-in for the legacy `torch.cuda.FloatTensor`-style constructors, on any device.
+_LEGACY_TYPES = {torch.float32: "FloatTensor", torch.float64: "DoubleTensor", torch.float16: "HalfTensor",
+                 torch.bfloat16: "BFloat16Tensor", torch.int64: "LongTensor", torch.int32: "IntTensor",
+                 torch.int16: "ShortTensor", torch.int8: "CharTensor", torch.uint8: "ByteTensor",
+                 torch.bool: "BoolTensor"}
 
-    `Tensor = tensor_type(torch.float32, device)` then, as before:
-    `Tensor(3, 4)` (uninitialised, by sizes), `Tensor([1, 2])` or `Tensor(array)` (from data),
-    `Tensor()` (empty).
-    """
+
+def tensor_type(dtype: torch.dtype, device: Union[torch.device, str, None] = None) -> Any:
+    """The legacy tensor type (`torch.FloatTensor`, `torch.cuda.FloatTensor`, ...) for `dtype`
+    on `device` (default: `get_device()`), where the device has one: what the script chose
+    between, so `Tensor = tensor_type(torch.float32, device)` works as before in every use:
+    `Tensor(3, 4)`, `Tensor([1, 2])`, `x.type(Tensor)`, `isinstance(x, Tensor)`. Elsewhere (MPS,
+    XPU, a GPU other than the current one) a stand-in that makes tensors there (sizes, data,
+    empty), which `.type()` and `isinstance` do not take."""
+    where = torch.device(device) if device is not None else get_device()
+    name = _LEGACY_TYPES.get(dtype)
+    if name is not None and where.type == "cpu":
+        return getattr(torch, name)
+    if name is not None and where.type == "cuda" and hasattr(torch.cuda, name) and (
+            where.index is None or where.index == torch.cuda.current_device()):
+        return getattr(torch.cuda, name)
+    return _TensorType(dtype, where)
+
+
+class _TensorType:
+    """A legacy-style tensor constructor on a device without legacy types."""
 
     def __init__(self, dtype: torch.dtype, device: Union[torch.device, str, None] = None) -> None:
         self.dtype = dtype
