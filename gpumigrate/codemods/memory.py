@@ -174,6 +174,12 @@ class TensorAccumulation(Rule):
         return _itemize_by_position(value, self._original_value, losses)
 
 
+# calls that take gradients where they are made, whatever mode the model is in
+_GRADIENTS = frozenset({"torch.autograd.grad", "torch.autograd.backward", "torch.autograd.functional.jacobian",
+                        "torch.autograd.functional.vjp", "torch.autograd.functional.hessian", "torch.func.grad",
+                        "torch.func.vjp", "torch.func.jacrev"})
+
+
 class TensorInContainer(Rule):
     """
     ## What it does
@@ -364,6 +370,8 @@ class _EvalPlan:
         for call in calls:
             if any(self.model.kind(a.value) == v.OPTIMIZER for a in call.args):
                 return True
+            if self.model.qualify(call.func) in _GRADIENTS:
+                return True  # gradients taken on purpose (an SGLD sampler, an attack): no_grad would stop them
             name = call.func.value if isinstance(call.func, cst.Name) else \
                 call.func.attr.value if isinstance(call.func, cst.Attribute) else None
             # `train_one_epoch(model, criterion, loader, optimizer, loss_scaler)` (its backward in a
@@ -481,6 +489,9 @@ class EvalWithoutNoGrad(Rule):
         Clean("import torch\n@torch.no_grad()\ndef evaluate(model, loader):\n    model.eval()\n"),
         Clean("import torch\ndef test(model, x):\n    model.eval()\n    with torch.inference_mode():\n        return model(x)\n"),
         Clean("def validate(model, x):\n    model.eval()\n    loss = model(x).sum()\n    loss.backward()\n"),
+        # an energy model's SGLD sampler: gradients of the input, in eval mode, for training
+        Clean("import torch\ndef sample_q(f, x):\n    f.eval()\n    for _ in range(3):\n"
+              "        x = x + torch.autograd.grad(f(x).sum(), [x])[0]\n    f.train()\n    return x.detach()\n"),
         Clean("def test_shapes():\n    assert f(1) == 1\n"),
         Clean("class Agent:\n    def _eval(self):\n        self.actor.eval()\n        self.critic.eval()\n"),
         Clean("model.eval()\nmodel.train()\nfor x in loader:\n    model(x)\n"),
