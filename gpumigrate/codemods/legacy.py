@@ -185,6 +185,8 @@ class VariableWrapper(Rule):
     data, target = data, target
     w = torch.zeros(3).requires_grad_()
     ```
+    `Variable(img, requires_grad=True)` of a tensor the script holds becomes
+    `img.detach().requires_grad_()`: a new leaf sharing `img`'s data, as Variable made.
     """
 
     code = "GM202"
@@ -209,6 +211,10 @@ class VariableWrapper(Rule):
             "h = Variable(h.data)\n",
             fixed="import torch\nw = torch.zeros(3).requires_grad_()\nh = h.detach()\n",
         ),
+        Flagged(
+            "from torch.autograd import Variable\nimg_var = Variable(img, requires_grad=True)\n",
+            fixed="img_var = img.detach().requires_grad_()\n",
+        ),
         Clean("import torch\nx = torch.ones(2, requires_grad=True)\n"),
     )
 
@@ -231,6 +237,10 @@ class VariableWrapper(Rule):
         if _is_data_attr(value):
             value = call_method(value.value, "detach")  # Variable(h.data): a new leaf cut from the graph
         if grad is not None and literal_bool(grad.value) is not False:
+            if isinstance(value, (cst.Name, cst.Attribute, cst.Subscript)):
+                # a tensor the script holds (`img`): Variable made a new leaf sharing its data, so
+                # `img.clamp_()` later is no in-place change of a leaf that requires grad
+                value = call_method(value, "detach")
             if literal_bool(grad.value) is True:
                 return call_method(value, "requires_grad_")
             return call_method(value, "requires_grad_", [cst.Arg(grad.value)])
