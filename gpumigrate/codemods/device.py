@@ -113,6 +113,9 @@ class CudaCall(Rule):
         Clean("import torch\nx = torch.ones(2).to(device)\n"),
         Clean("import torch\nif torch.cuda.is_available():\n    pass\n"),
         Clean("use_cuda = args.cuda  # an attribute named cuda, not a call\n"),
+        # an agent of plain objects with a `cuda()` of its own, which moves its networks
+        Clean("class Agent(object):\n    def __init__(self, cuda):\n        if cuda:\n            self.cuda()\n"
+              "    def cuda(self):\n        self.on_gpu = True\n"),
     )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> Optional[cst.Call]:
@@ -138,6 +141,9 @@ class CudaCall(Rule):
         moving its own tensors): its method, which the migration of its module makes
         device-agnostic, not a tensor's."""
         s = script_model(self.ctx).s
+        if isinstance(receiver, cst.Name) and receiver.value == "self":  # `self.cuda()` in a class that has one
+            cls = s.instance_class(receiver, s.scope(receiver))
+            return cls is not None and method in cls.methods
         if isinstance(receiver, cst.Attribute) and isinstance(receiver.value, cst.Name) and \
                 receiver.value.value == "self":
             cls = s.instance_class(receiver.value, s.scope(receiver))
