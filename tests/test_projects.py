@@ -405,3 +405,25 @@ def test_a_helper_migrated_in_the_same_run_is_not_put_up_for_review(tmp_path):
     assert "`helpers.show` comes from another file" in alone.output
     assert "comes from another file" not in together.output
     assert "if is_main_process():\n+        print(step, loss)" in together.output
+
+
+@pytest.mark.e2e
+def test_a_device_the_main_block_defines_is_defined_for_the_modules_that_import_its_functions(tmp_path):
+    """A script whose `device` exists only under `if __name__ == "__main__":`, and whose
+    evaluation function another module imports: that function needs a device there too."""
+    project = tmp_path / "evaluated"
+    project.mkdir()
+    (project / "evaluate.py").write_text(
+        "import torch\nimport torch.nn as nn\n\n\ndef evaluate(model, data):\n"
+        "    Tensor = torch.cuda.FloatTensor if torch.cuda.is_available() else torch.FloatTensor\n"
+        "    with torch.no_grad():\n        return model(data.type(Tensor)).sum().item()\n\n\n"
+        "if __name__ == '__main__':\n    device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')\n"
+        "    print(evaluate(nn.Linear(3, 1).to(device), torch.ones(2, 3)))\n")
+    (project / "train.py").write_text(
+        "import torch\nimport torch.nn as nn\nfrom evaluate import evaluate\n\ntorch.manual_seed(0)\n"
+        "print('eval', evaluate(nn.Linear(3, 1), torch.ones(2, 3, dtype=torch.float64)))\n")
+    before = _ok(_run(project / "train.py"))
+    assert _cli(project, "--to", "device").exit_code == 0
+    text = (project / "evaluate.py").read_text()
+    assert text.count("device = get_device()") == 2 and "accelerator_available" not in text
+    assert _ok(_run(project / "train.py")) == before and _ok(_run(project / "evaluate.py"))

@@ -552,7 +552,10 @@ class HardcodedDevice(Rule):
         if id(original) in plan.choice_calls:
             self.report(original, _ACCELERATOR_CHOICE)
             return cst.Call(func=runtime_name(self.ctx, "accelerator_available", self.fixing))
-        if "GM101" in self.ctx.fixing and isinstance(plan.accelerator_guard(original), cst.IfExp):
+        guard = plan.accelerator_guard(original)
+        if "GM101" in self.ctx.fixing and isinstance(guard, cst.IfExp) and not (
+                "GM102" in self.ctx.fixing and any(cuda_type_dtype(self.qualify(b)) for b in (guard.body, guard.orelse))):
+            # (a choice of CUDA tensor type goes whole: GM102's `tensor_type(dtype, device)`)
             self.report(original, _ACCELERATOR_GUARD)  # `if` statements: leave_If, once it knows the guard stays
             return cst.Call(func=runtime_name(self.ctx, "accelerator_available", self.fixing))
         for call, why in plan.kept_flags:

@@ -336,14 +336,16 @@ def set_up_line(module: cst.Module, stmt: cst.CSTNode) -> bool:
 
 
 def _reaches(s: Structure, stmt: cst.SimpleStatementLine, sites: List[Site], name: Optional[str] = None,
-             also: Sequence[cst.SimpleStatementLine] = ()) -> bool:
+             also: Sequence[cst.SimpleStatementLine] = (), main_runs: bool = True) -> bool:
     """Is a name bound by `stmt` bound before every site, on every path there? A site in the
     same function (or at module level, for a module-level name) must come after `stmt` in its
     block (not before it, not beside it in another branch; an `if`/`else` that binds it in
     every branch, `also` holding the other branches' lines, counts as binding it); a function
     nested in that function must be defined there after it; a function of the module must not
     run (from module-level code) before it, and the name must not be bound only in a branch.
-    `name`: the site must see this binding, not one of its own scope's (a local `device`)."""
+    `name`: the site must see this binding, not one of its own scope's (a local `device`).
+    `main_runs`: an `if __name__ == "__main__":` block runs before the functions are called
+    (not so where another module imports them)."""
     small = stmt.body[0]
     scope = s.scope(small)  # where the statement runs; the name lives in `bound`
     bound = s.scopes[id(s.module)] if name is not None and name in scope.globals else scope
@@ -366,7 +368,7 @@ def _reaches(s: Structure, stmt: cst.SimpleStatementLine, sites: List[Site], nam
             if not after <= s.order(anchor) < block_end:
                 return False
             continue
-        if not _unconditional(s, line):
+        if not _unconditional(s, line, main_runs):
             return False
         if early is None:
             early = _run_before(s, line)
@@ -403,12 +405,12 @@ def _binds_in_every_branch(node: cst.If, lines: Set[int]) -> bool:
     return node.orelse is not None and binds(node.orelse.body)
 
 
-def _unconditional(s: Structure, stmt: cst.CSTNode) -> bool:
+def _unconditional(s: Structure, stmt: cst.CSTNode, main_runs: bool = True) -> bool:
     """A module-level statement that runs whenever the script runs: not in a branch, loop or
-    handler (an `if __name__ == "__main__":` block runs)."""
+    handler (an `if __name__ == "__main__":` block runs, where `main_runs`)."""
     for node in s.ancestors(stmt):
         if isinstance(node, (cst.If, cst.Else, cst.For, cst.While, cst.Try, cst.ExceptHandler, cst.Match)) and \
-                not m.matches(node, m.If(test=m.Comparison(left=m.Name("__name__")))):
+                not (main_runs and m.matches(node, m.If(test=m.Comparison(left=m.Name("__name__"))))):
             return False
     return True
 
@@ -445,11 +447,18 @@ def _build(ctx: FileContext) -> DevicePlan:
     # bound to "cuda" that is only printed becomes that device.
     adoptable = [d for d in scanner.defs if needing and d.string and plan.mode(d.call) is None
                  and set(plan.named[id(d.call)].uses) <= {NEUTRAL}]
+    # functions another module of the project imports run without this file's main block
+    main_runs = not getattr(ctx.options.get("project"), "importers", ())
     for d in [*plan.defs, *adoptable]:
-        if _reaches(s, d.stmt, needing, d.name, [o.stmt for o in plan.defs if o.name == d.name and o is not d]):
+        others = [o.stmt for o in plan.defs if o.name == d.name and o is not d]
+        if _reaches(s, d.stmt, needing, d.name, others, main_runs):
             plan.name = d.name
             if d in adoptable:
                 _adopt(plan, plan.named[id(d.call)])
+            break
+        if not main_runs and d in plan.defs and _reaches(s, d.stmt, needing, d.name, others):
+            # bound only in the main block: the same name defined at the top too, for the importers
+            plan.name, plan.define_at_top = d.name, True
             break
     else:
         if plan.defs and not needing:
