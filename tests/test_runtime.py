@@ -791,3 +791,22 @@ def test_synchronize_without_an_accelerator_returns(rt):
     with pytest.raises((RuntimeError, AssertionError)):
         torch.cuda.synchronize()
     assert rt.synchronize() is None
+
+
+def test_layers_whose_autograd_function_runs_a_backward_inside_its_backward_are_not_given_to_ddp(tmp_path,
+                                                                                                  monkeypatch):
+    """An installed package's reversible layers (the migration cannot read their source): DDP's
+    reducer refuses a backward inside the backward, so wrap_model leaves them to the step."""
+    from gpumigrate.runtime import distributed as internals
+
+    (tmp_path / "revlayers.py").write_text(
+        "import torch\n\n\nclass _Rev(torch.autograd.Function):\n    @staticmethod\n"
+        "    def forward(ctx, x, block):\n        ctx.block = block\n        return block.f(x)\n\n"
+        "    @staticmethod\n    def backward(ctx, dy):\n        return ctx.block.backward_pass(dy), None\n\n\n"
+        "class RevBlock(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.f = torch.nn.Linear(2, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import revlayers
+
+    assert internals._reentrant_backward(torch.nn.Sequential(torch.nn.Linear(2, 2), revlayers.RevBlock()))
+    assert not internals._reentrant_backward(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)))

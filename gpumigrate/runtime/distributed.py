@@ -9,13 +9,17 @@ Per training step only the gradients are averaged (by DDP, or by the optimizer h
 
 from __future__ import annotations
 
+import ast
 import atexit
 import ctypes
+import functools
+import inspect
 import itertools
 import multiprocessing
 import os
 import pickle
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -593,8 +597,10 @@ def wrap_model(
     **ddp_options: Any,
 ) -> nn.Module:
     """Wrap a model (already on its device) in DistributedDataParallel; unchanged in one process,
-    and where it is no nn.Module or a library's data-parallel wrapper already (the optimizer
-    step averages what DDP does not). Its state_dict has the unwrapped model's keys.
+    and where it is no nn.Module, a library's data-parallel wrapper already, or built of layers
+    whose custom autograd Function runs a backward inside its backward (reversible layers of an
+    installed package, which DDP refuses): the optimizer step averages what DDP does not. Its
+    state_dict has the unwrapped model's keys.
 
     `device_ids` is given only for a model on a single GPU; a model spread over several
     devices (model parallelism) or on the CPU is wrapped without it (a `device_ids` or
@@ -610,6 +616,8 @@ def wrap_model(
         return model
     if _data_parallel_of_its_own(model):
         return model  # a second wrapper would reduce every gradient twice
+    if _reentrant_backward(model):
+        return model  # DDP's reducer refuses a backward run inside the backward: averaged at the step
     if not any(p.requires_grad for p in model.parameters()):
         return model  # nothing to synchronise (DDP refuses such a module)
     devices = {p.device for p in model.parameters()}
@@ -631,6 +639,36 @@ def wrap_model(
     _note_wrapped(wrapped)
     _plain_keys(wrapped)
     return wrapped
+
+
+def _reentrant_backward(model: nn.Module) -> bool:
+    """Does a module of the model's layers define an autograd Function whose static `backward`
+    runs a backward itself, directly or through a function it calls by a name with `backward`
+    in it (`block.backward_pass(y, dy)`, `torch.autograd.backward(...)`)? Read from the
+    source, once per module."""
+    return any(_module_reenters(type(layer).__module__) for layer in model.modules())
+
+
+@functools.lru_cache(maxsize=None)
+def _module_reenters(name: str) -> bool:
+    module = sys.modules.get(name)
+    if module is None or name.startswith(("torch.", "gpumigrate.")):
+        return False
+    for value in list(vars(module).values()):
+        backward = getattr(value, "backward", None)
+        if not (isinstance(value, type) and issubclass(value, torch.autograd.Function) and callable(backward)):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(backward)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+                if "backward" in called or called == "grad":
+                    return True
+    return False
 
 
 def _data_parallel_of_its_own(model: nn.Module) -> bool:
