@@ -260,6 +260,6 @@ def test_ddp_sync_bn(run, tmp_script):
     assert run(path, "--to", "ddp", "--sync-bn").exit_code == 0
     text = path.read_text()
     assert "model = wrap_model(model, sync_batchnorm=True)" in text
-    assert "sampler=distributed_sampler(train_set, batch_size=8)" in text
+    assert "sampler=distributed_sampler(train_set)" in text
     assert "set_epoch(loader, epoch)" in text
     assert "    if is_main_process():\n        print(epoch, loss.item())" in text

@@ -45,14 +45,14 @@ def test_a_model_trained_by_a_factory_optimizer_is_wrapped_and_its_data_sharded(
     out, _ = ddp("model = torch.nn.Linear(4, 1)\nopt = getattr(torch.optim, 'SGD')(model.parameters(), lr=0.1)\n"
                  + TRAIN)
     assert "model = wrap_model(model)\nopt = getattr" in out
-    assert "sampler=distributed_sampler(train_set, batch_size=4)" in out and "set_epoch(loader, epoch)" in out
+    assert "sampler=distributed_sampler(train_set)" in out and "set_epoch(loader, epoch)" in out
 
 
 def test_a_functional_model_is_sharded_and_averaged_at_the_step():
     out, reviews, notes = ddp("params = [torch.zeros(4, 1, requires_grad=True)]\n"
                               "opt = torch.optim.SGD(params, lr=0.1)\nmodel = lambda x: x @ params[0]\n" + TRAIN,
                               notes=True)
-    assert "sampler=distributed_sampler(train_set, batch_size=4)" in out and "wrap_model" not in out
+    assert "sampler=distributed_sampler(train_set)" in out and "wrap_model" not in out
     assert any("not a module" in n and AVERAGED in n for n in notes)
     assert not any("NOT sharded" in r for r in reviews)
 
@@ -206,7 +206,7 @@ def test_a_library_trainer_given_the_scripts_optimizer_is_averaged_at_its_steps(
         torch.save(model.state_dict(), "model.pt")
         """)
     assert "setup_distributed()" in out and "model = wrap_model(model)" in out
-    assert "sampler=distributed_sampler(train_set, batch_size=4)" in out and "if is_main_process():\n    torch.save(" in out
+    assert "sampler=distributed_sampler(train_set)" in out and "if is_main_process():\n    torch.save(" in out
     assert any("the training loop is a library's" in r and "distributed_sampler" in r for r in reviews), reviews
     assert not any("no training found" in r for r in reviews)
 
@@ -510,7 +510,7 @@ def test_a_sampler_that_is_none_on_every_path_makes_way_for_the_distributed_one(
                 opt.step()
         """)
     assert "loader = DataLoader(train_set, batch_size=4, sampler=distributed_sampler(train_set, " \
-           "shuffle=(train_sampler is None), batch_size=4))" in out
+           "shuffle=(train_sampler is None)))" in out
     assert not any("custom sampler" in r for r in reviews), reviews
 
 
@@ -557,7 +557,7 @@ def test_a_batch_peeked_before_training_does_not_make_the_loader_an_evaluation_o
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
         """)
-    assert "trainloader = DataLoader(train_set, batch_size=4, sampler=distributed_sampler(train_set, batch_size=4))" in out
+    assert "trainloader = DataLoader(train_set, batch_size=4, sampler=distributed_sampler(train_set))" in out
     assert not any("used for training and for evaluation" in r for r in reviews), reviews
 
 
@@ -742,7 +742,7 @@ def test_a_generator_that_yields_from_a_loader_hands_it_the_training_role():
             loss.backward()
             opt.step()
         """, head=HEAD)
-    assert "drop_last=True, sampler=distributed_sampler(dataset))" in out and "for step in shard_batches(range(20)):" in out
+    assert "sampler=distributed_sampler(dataset)" in out and "for step in shard_batches(range(20)):" in out
     assert not any("does not come from a DataLoader" in r for r in reviews), reviews
 
 

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
 from tqdm import tqdm
-from gpumigrate.runtime import (cleanup_distributed, distributed_sampler, get_rank, setup_distributed, shard_batches,
-                                shard_loader, wrap_model)
+from gpumigrate.runtime import cleanup_distributed, get_rank, setup_distributed, shard_batches, shard_loader, wrap_model
 from tests.test_runtime_uneven import batch, flat, model
 
 threading.Thread(target=lambda: (threading.Event().wait(120), os._exit(3)), daemon=True).start()
@@ -73,12 +72,6 @@ rec["tqdm_total"] = bar.total
 bar = shard_loader(tqdm(DataLoader(ds, batch_size=4), disable=True))  # a bar handed to shard_loader
 rec["tqdm_loader"] = values(bar)
 rec["tqdm_loader_total"] = bar.total
-# 20 samples make five whole batches of 4: each rank's 10 make two (no partial batch the whole lacked);
-# 22 make a partial one: kept, as the whole has one too
-for n in (20, 22):
-    whole = TensorDataset(torch.arange(n).float())
-    rec[f"sampled{n}"] = values(DataLoader(whole, batch_size=4, sampler=distributed_sampler(whole, batch_size=4)))
-    rec[f"rebuilt{n}"] = values(shard_loader(DataLoader(whole, batch_size=4, shuffle=True)))
 
 # a model stored before the wrap and trained through that reference: DDP never runs
 class Holder:
@@ -159,14 +152,6 @@ def test_a_shuffled_loader_is_split_with_a_new_order_each_pass_and_full_batches_
         orders.append(a + b)
     assert orders[0] != orders[1], "the same order in both passes (no set_epoch needed, none called)"
     assert ranks[0]["shuffled_len"] == 2
-
-
-def test_a_sharded_loader_meets_no_partial_batch_the_whole_one_did_not(ranks):
-    for way in ("sampled", "rebuilt"):
-        assert [[len(b) for b in r[f"{way}20"]] for r in ranks] == [[4, 4], [4, 4]], way
-        assert [[len(b) for b in r[f"{way}22"]] for r in ranks] == [[4, 4, 3], [4, 4, 3]], way
-        drawn = [sum(r[f"{way}20"], []) for r in ranks]
-        assert not set(drawn[0]) & set(drawn[1]), way
 
 
 def test_a_counting_range_takes_every_world_size_th_value_up_to_the_last_on_every_rank(ranks):

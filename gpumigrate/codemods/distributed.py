@@ -18,7 +18,7 @@ from gpumigrate.analysis import script_model
 from gpumigrate.analysis.launch import LAUNCHER_OPTIONS, launcher_variable, signed_int
 from gpumigrate.analysis.model import COLLECTIVES, RUNTIME_COLLECTIVES
 from gpumigrate.analysis.structure import dotted
-from gpumigrate.analysis.syntax import last_name, runtime_helper, walk
+from gpumigrate.analysis.syntax import last_name, runtime_helper
 from gpumigrate.codemods.base import Clean, Flagged, Rule
 from gpumigrate.codemods.ddp import FSDP_CODE, sharding  # noqa: F401  (FSDP_CODE re-exported)
 from gpumigrate.codemods.ddp_plan import ddp_plan, device_definition, main_block
@@ -156,8 +156,7 @@ class DdpSetup(Rule):
             fixed="import torch\nfrom gpumigrate.runtime import distributed_sampler, setup_distributed, wrap_model\n\n"
             "device = setup_distributed()\nmodel = Net().to(device)\nmodel = wrap_model(model)\n"
             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-            "loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=distributed_sampler(data, shuffle=False, "
-            "batch_size=8))\n"
+            "loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=distributed_sampler(data, shuffle=False))\n"
             "for x in loader:\n    model(x).sum().backward()\n    opt.step()\n",
         ),
         Flagged(  # no loader brings the data and a data test guards the step: no DDP (uneven steps)
@@ -473,7 +472,7 @@ class DistributedSamplerRule(Rule):
 
     ## Use instead
     ```python
-    train_loader = DataLoader(train_set, batch_size=64, sampler=distributed_sampler(train_set, batch_size=64))
+    train_loader = DataLoader(train_set, batch_size=64, sampler=distributed_sampler(train_set))
     for epoch in range(epochs):
         set_epoch(train_loader, epoch)
         train(epoch)
@@ -597,11 +596,6 @@ class DistributedSamplerRule(Rule):
                 args.append(keyword_arg("shuffle", cst.Name("False")))
         else:
             args.append(keyword_arg("shuffle", shuffle.value if shuffle is not None else cst.Name("False")))
-        batch = get_arg(updated, "batch_size", 1)
-        if edit.kind in ("train", "flag") and batch is not None and get_arg(updated, "drop_last", 8) is None and \
-                not any(isinstance(n, cst.Call) for n in walk(batch.value)):
-            # whole batches only on each rank where the whole dataset makes whole batches only
-            args.append(keyword_arg("batch_size", batch.value.deep_clone()))
         if edit.kind == "train":
             self.report(original, "training data sharded with a DistributedSampler")
         elif edit.kind == "flag":

@@ -80,7 +80,7 @@ class FsdpShard(Rule):
                   "setup_distributed, shard_model\n\ndevice = setup_distributed()\nmodel = Net().to(device)\n"
                   "model = shard_model(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                   "loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=distributed_sampler(data, "
-                  "shuffle=False, batch_size=8))\nfor x in loader:\n    model(x).sum().backward()\n    opt.step()\n"
+                  "shuffle=False))\nfor x in loader:\n    model(x).sum().backward()\n    opt.step()\n"
                   "model_state = full_state_dict(model)\nif is_main_process():\n    torch.save(model_state, 'model.pt')\n",
         ),
         Clean("import torch\nmodel = Net()\nprint(model(torch.zeros(1, 4)))\n"),  # nothing trains

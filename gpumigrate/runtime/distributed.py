@@ -14,7 +14,6 @@ import atexit
 import ctypes
 import functools
 import inspect
-import itertools
 import multiprocessing
 import os
 import pickle
@@ -824,7 +823,7 @@ class _Shard(Sampler):
 
 def distributed_sampler(
     dataset: Dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, pad: bool = True,
-    shard: bool = True, batch_size: Optional[int] = None,
+    shard: bool = True,
 ) -> Optional[Sampler]:
     """The sampler a DataLoader needs to give each rank its own part of `dataset`.
 
@@ -838,24 +837,12 @@ def distributed_sampler(
     `shard=False`: every rank takes the whole dataset (a loader factory's evaluation loader
     whose metrics are not sums). In one process, or unsharded: what `DataLoader(shuffle=...)`
     would use, so results do not change.
-    `batch_size`, the loader's: where the whole dataset makes full batches only, so does each
-    rank's part (its last partial batch is left out): a loop that wants full batches
-    (`x.view(batch_size, -1)`, `torch.ones(batch_size)`) never meets one it did not meet before.
     """
     if not shard or not is_distributed():
         return RandomSampler(dataset) if shuffle else None
     if not pad:
         return _Shard(dataset, get_rank(), get_world_size())
-    sampler = _EpochSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    if batch_size and _whole_batches(len(dataset), batch_size, len(sampler)):  # type: ignore[arg-type]
-        sampler.keep = len(sampler) // batch_size * batch_size
-    return sampler
-
-
-def _whole_batches(size: int, batch_size: int, part: int) -> bool:
-    """Does a rank's part of `size` samples need its partial batch left out, so that it meets
-    only full batches as the whole did? (Not where that leaves it nothing.)"""
-    return size % batch_size == 0 and part % batch_size != 0 and part >= batch_size
+    return _EpochSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
 class _EpochSampler(DistributedSampler):
@@ -868,10 +855,6 @@ class _EpochSampler(DistributedSampler):
         super().__init__(*args, **kwargs)
         self._passes = 0
         self._epoch_set = False
-        self.keep: Optional[int] = None  # this many of the rank's samples per pass (whole batches)
-
-    def __len__(self) -> int:
-        return self.keep if self.keep is not None else super().__len__()
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -882,8 +865,6 @@ class _EpochSampler(DistributedSampler):
             self.epoch += 1
         self._passes += 1
         self._epoch_set = False
-        if self.keep is not None:
-            return itertools.islice(super().__iter__(), self.keep)
         return super().__iter__()
 
 
@@ -1008,8 +989,6 @@ def _shard_loader(loader: Any, seed: int, pad: bool, full_batches: bool = False,
     batch_size, drop_last = (batches.batch_size, batches.drop_last) if batches is not None else (None, False)
     if full_batches and batch_size and len(sampler) >= batch_size:  # type: ignore[arg-type]
         drop_last = True  # this rank's last partial batch: every rank has as many, none a shape the loop lacks
-    elif pad and batch_size and _whole_batches(len(sampler.dataset), batch_size, len(sampler)):  # type: ignore
-        drop_last = True  # the whole made full batches only: so does each rank's part
     return _rebuilt_loader(loader, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
 
 
