@@ -170,9 +170,8 @@ def _recursive_methods(tree: ast.Module) -> Tuple[str, ...]:
     """See Project.recursive: any class of the module, at any depth."""
     out: Set[str] = set()
     # the module's functions that run a backward (`def backward_pass(self, y, dy)` of a block,
-    # called from the Function's backward)
-    backwards = {fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and any(
-        isinstance(node, ast.Call) and _call_name(node) == "backward" for node in ast.walk(fn))}
+    # called from the Function's backward): looked for once a static `backward` is found
+    backwards: Optional[Set[str]] = None
     for cls in ast.walk(tree):
         if not isinstance(cls, ast.ClassDef):
             continue
@@ -180,7 +179,10 @@ def _recursive_methods(tree: ast.Module) -> Tuple[str, ...]:
             if not isinstance(fn, ast.FunctionDef) or not any(
                     isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
                 continue
-            names = {fn.name, *backwards} if fn.name == "backward" else {fn.name}
+            if fn.name == "backward" and backwards is None:
+                backwards = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and any(
+                    isinstance(node, ast.Call) and _call_name(node) == "backward" for node in ast.walk(f))}
+            names = {fn.name, *backwards} if fn.name == "backward" and backwards else {fn.name}
             if any(isinstance(node, ast.Call) and _call_name(node) in names for node in ast.walk(fn)):
                 out.add(f"{cls.name}.{fn.name}")
     return tuple(sorted(out))

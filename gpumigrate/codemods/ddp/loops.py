@@ -363,10 +363,9 @@ class TrainingLoops:
         if self._runtime_calls(loop.iter, "shard_batches", "shard_loader", "shard_rows"):
             return True
         for expr in self._sources(loop.iter):
-            wrapped = self._unbound(expr)
-            if wrapped != [expr] and any(isinstance(e, cst.Call) and runtime_helper(self.model.qualify(e.func)) in (
-                    "shard_batches", "shard_loader") for e in wrapped):
-                return True
+            if any(isinstance(e, cst.Call) and runtime_helper(self.model.qualify(e.func)) in (
+                    "shard_batches", "shard_loader") for e in self._unbound(expr)):
+                return True  # a bar bound to a name, over a loader an earlier run sharded
             if id(expr) in self.foreign_iterations:
                 return True
             for loader in self.model.loaders:
